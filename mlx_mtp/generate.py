@@ -1,0 +1,130 @@
+"""Generation for one sequence: prefill, then speculative (or plain) rounds, streamed."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .cache import KVCache
+from .models.base import Drafter, TargetModel
+from .sample import SamplingParams, probs, sample
+from .speculative import DraftLength, RoundState, Timer, run_round
+from .stats import Stats
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus generation) that does not fit the model's context."""
+
+
+@dataclasses.dataclass
+class Event:
+    """One streamed step: new text and the token that produced it."""
+
+    text: str
+    token: int
+    from_draft: bool
+    finish_reason: Optional[str]  # None while streaming, then "stop" or "length"
+    stats: Stats
+
+
+def prefill(
+    target: TargetModel, cache: KVCache, tokens: Sequence[int], step: int = 512
+) -> tuple[mx.array, RoundState]:
+    """Run `tokens` through the target in chunks.
+
+    Returns:
+        (logits of the last position (1, V), state whose `tokens`/`hidden` are the last
+        prompt token's, i.e. the caller samples the first new token from the logits).
+    """
+    if not tokens:
+        raise ValueError("empty prompt: nothing to condition on")
+    ids = mx.array([list(tokens)], dtype=mx.int32)
+    for start in range(0, ids.shape[1] - step, step):
+        target(ids[:, start : start + step], cache)
+        mx.eval(cache.keys, cache.values)
+    last = ids.shape[1] - (ids.shape[1] - 1) % step - 1
+    out = target(ids[:, last:], cache)
+    hidden = out.hidden[:, -1]
+    # Only the last position's logits: never materialise (L, V) for a long prompt.
+    logits = target.logits(hidden)
+    return logits, RoundState(ids[:, -1], hidden, out.shared_kv)
+
+
+def check_context(target: TargetModel, cache: KVCache, n_prompt: int) -> None:
+    limit = target.config.max_position_embeddings
+    total = int(cache.offset.max()) + n_prompt
+    if total >= limit:
+        raise ContextLengthError(
+            f"prompt of {n_prompt} tokens (plus {total - n_prompt} in the cache) does not fit the "
+            f"model's context of {limit} tokens"
+        )
+
+
+def generate_tokens(
+    target: TargetModel,
+    prompt: Sequence[int],
+    *,
+    drafter: Optional[Drafter] = None,
+    cache: Optional[KVCache] = None,
+    sampling: SamplingParams = SamplingParams(),
+    draft_tokens: Union[int, str] = "auto",
+    max_tokens: int = 256,
+    stop_ids: Sequence[int] = (),
+    seed: Optional[int] = None,
+    stats: Optional[Stats] = None,
+) -> Iterator[tuple[int, bool]]:
+    """Yield (token, from_draft) pairs; with no drafter (or draft_tokens=0) this is plain
+    decoding. The output equals plain decoding's exactly (greedy) or in distribution.
+
+    `cache` may carry earlier turns: it holds every token of the conversation but the last
+    one, and `prompt` continues from there (starting with that last token).
+    """
+    policy = DraftLength(draft_tokens if drafter is not None else 0)
+    if cache is None:
+        cache = target.make_cache(1, max_rollback=policy.k_max + 1)
+    elif cache.max_rollback < policy.k_max + 1:
+        raise ValueError(f"cache allows rollback of {cache.max_rollback} tokens; need {policy.k_max + 1}")
+    if drafter is not None:
+        drafter.check_target(target)
+    check_context(target, cache, len(prompt))
+    stats = stats if stats is not None else Stats()
+    key = mx.random.key(seed) if seed is not None else None
+    stop = frozenset(stop_ids)
+    limit = target.config.max_position_embeddings
+
+    started = time.perf_counter()
+    logits, state = prefill(target, cache, prompt)
+    key, sub = mx.random.split(key) if key is not None else (None, None)
+    first = sample(probs(logits, sampling), sub)
+    state = RoundState(first.astype(mx.int32), state.hidden, state.shared_kv)
+    token = int(first.item())
+    stats.prompt_tokens += len(prompt)
+    stats.prompt_seconds = stats.first_token_seconds = time.perf_counter() - started
+    stats.emitted += 1
+    yield token, False
+    if token in stop or max_tokens <= 1:
+        return
+
+    timer, decode_start, left = Timer(), time.perf_counter(), max_tokens - 1
+    while left > 0:
+        room = limit - int(cache.offset[0]) - 1
+        if room <= 0:
+            raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
+        k = min(policy.next(), room - 1) if room > 1 else 0
+        key, sub = mx.random.split(key) if key is not None else (None, None)
+        result = run_round(target, drafter, cache, state, k, sampling, [left], stop, sub)
+        emitted, state = result.emitted[0], result.state
+        policy.observe(k, result.accepted[0], len(emitted), timer.lap())
+        stats.observe_round(k, result.accepted[0])
+        for i, tok in enumerate(emitted):
+            from_draft = i < len(emitted) - 1 or (k > 0 and i < result.accepted[0])
+            stats.emitted += 1
+            stats.from_draft += from_draft
+            stats.decode_seconds = time.perf_counter() - decode_start
+            yield tok, from_draft
+        left -= len(emitted)
+        if emitted[-1] in stop:
+            return

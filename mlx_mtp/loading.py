@@ -1,0 +1,151 @@
+"""Load targets and drafters from HF dirs, hub ids, or MLX (quantized) conversions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models import model_module
+from .models.base import ConfigError
+
+
+class WeightsError(ValueError):
+    """Checkpoint files that are missing, corrupt, or do not fit the model."""
+
+
+def resolve(path_or_repo: Union[str, Path]) -> Path:
+    """A local directory, or a hub id resolved through huggingface_hub's cache."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_repo)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise FileNotFoundError(f"model path {text!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+    try:
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, auth: say which
+        raise FileNotFoundError(f"could not fetch {text!r} from the Hugging Face hub: {e}") from e
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: not a model directory")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e}") from e
+
+
+def weight_files(path: Path) -> list[Path]:
+    """Safetensors files of a checkpoint; every shard named by an index must exist."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise WeightsError(f"{index} names missing shard(s): {', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"no .safetensors files in {path}")
+    return files
+
+
+def load_weights(files: list[Path]) -> dict[str, mx.array]:
+    """Lazily load every tensor; a truncated or corrupt file raises WeightsError naming it."""
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as e:
+            raise WeightsError(f"cannot read {file}: {e}") from e
+    return weights
+
+
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """Instantiate (without loading weights) the model `config` describes."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ConfigError("config.json has no model_type")
+    module = model_module(model_type)
+    model = module.Model(module.Config.from_dict(config))
+    if "quantization" in config:
+        apply_quantization(model, config["quantization"], module)
+    return model
+
+
+def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, present=None) -> None:
+    """Swap in quantized layers as a `quantization` record describes.
+
+    The record holds defaults (`group_size`, `bits`, `mode`) and per-path overrides (a dict,
+    or `false` for a layer left unquantized). Paths may use HF / mlx-lm names.
+    """
+    rename = getattr(module, "rename", None) or (lambda k: k)
+    overrides = {}
+    for key, value in record.items():
+        if isinstance(value, (dict, bool)):
+            name = rename(key + ".weight")
+            if name is not None:
+                overrides[name[: -len(".weight")]] = value
+
+    def predicate(path: str, layer: nn.Module):
+        if path in overrides:
+            return overrides[path]
+        if present is not None and f"{path}.scales" not in present:
+            return False
+        return hasattr(layer, "to_quantized")
+
+    nn.quantize(
+        model,
+        group_size=record.get("group_size", 64),
+        bits=record.get("bits", 4),
+        mode=record.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_model(
+    path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None, lazy: bool = False
+) -> tuple[nn.Module, dict[str, Any], Path]:
+    """Load a model from a directory or hub id.
+
+    Returns:
+        (model, config dict, resolved path).
+    """
+    path = resolve(path_or_repo)
+    config = read_config(path)
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{path / 'config.json'} has no model_type")
+    module = model_module(model_type)
+    model = module.Model(module.Config.from_dict(config))
+    weights = model.sanitize(load_weights(weight_files(path)))
+    if "quantization" in config:
+        apply_quantization(model, config["quantization"], module, present=weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise WeightsError(f"{path}: weights do not match the config: {e}") from e
+    if dtype is not None:
+        cast_floats(model, dtype)
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model, config, path
+
+
+def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating-point parameters (not quantized integer weights) to `dtype`."""
+    from mlx.utils import tree_map
+
+    model.update(
+        tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
+    )

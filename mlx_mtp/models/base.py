@@ -1,0 +1,126 @@
+"""The contract between models and the generation loop, plus small shared helpers.
+
+The loop in `generate.py` / `speculative.py` only ever sees `TargetModel` and `Drafter`;
+nothing outside `models/` names a Gemma class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
+
+log = logging.getLogger("mlx_mtp")
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a supported model."""
+
+
+@dataclasses.dataclass
+class BaseConfig:
+    """Dataclass configs built from HF `config.json` dicts.
+
+    Unknown keys are logged once (not fatal) so a renamed HF field is noticed.
+    """
+
+    # Keys HF writes that carry no architecture meaning for us.
+    _IGNORED = frozenset(
+        {
+            "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+            "id2label", "label2id", "problem_type", "return_dict", "output_hidden_states",
+            "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder", "use_cache",
+            "initializer_range", "attention_dropout", "tie_word_embeddings", "model_type",
+            "pad_token_id", "bos_token_id", "eos_token_id", "quantization", "quantization_config",
+        }
+    )
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in params if k not in names and k not in cls._IGNORED)
+        if unknown:
+            log.info("%s: ignoring config keys %s", cls.__name__, ", ".join(unknown))
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+
+class SharedKV(NamedTuple):
+    """A read-only view of one store layer's K/V as the drafter needs it.
+
+    keys/values: (B, n_kv, T, head_dim). positions: (B, T) int32 absolute positions of
+    each slot, -1 for empty or rolled-back slots; masks are derived from these.
+    """
+
+    keys: mx.array
+    values: mx.array
+    positions: mx.array
+
+
+class TargetOutput(NamedTuple):
+    logits: mx.array  # (B, L, V), after the final softcap
+    hidden: mx.array  # (B, L, H), post final norm: the lm_head input
+    shared_kv: dict[str, SharedKV]  # layer type -> store layer K/V
+
+
+class DraftOutput(NamedTuple):
+    """One draft step. With a sparse head (E2B/E4B centroids) `logits` covers only the
+    selected `token_ids`; every other token has probability zero under the drafter."""
+
+    logits: mx.array  # (B, V), or (B, n) over token_ids
+    hidden: mx.array  # (B, H_target): feeds the next draft step
+    token_ids: Optional[mx.array] = None  # (B, n) or None for a dense head
+
+    def full_logits(self, vocab_size: int) -> mx.array:
+        """(B, V) logits, -inf outside a sparse head's selection."""
+        if self.token_ids is None:
+            return self.logits
+        B = self.logits.shape[0]
+        out = mx.full((B, vocab_size), -mx.inf, dtype=self.logits.dtype)
+        return mx.put_along_axis(out, self.token_ids, self.logits, axis=-1)
+
+    def argmax(self) -> mx.array:
+        """(B,) greedy draft tokens without building full-vocabulary logits."""
+        best = mx.argmax(self.logits, axis=-1)
+        if self.token_ids is None:
+            return best
+        return mx.take_along_axis(self.token_ids, best[:, None], axis=-1)[:, 0]
+
+
+class TargetModel(Protocol):
+    """What the generation loop needs from a target model."""
+
+    vocab_size: int
+
+    def __call__(self, tokens: mx.array, cache: Optional["KVCache"] = None) -> TargetOutput: ...
+
+    def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> "KVCache": ...
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Scaled input embedding, (B, L) -> (B, L, H): the drafter's token input."""
+        ...
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from an MTP drafter."""
+
+    def draft_step(
+        self,
+        token_embed: mx.array,
+        hidden: mx.array,
+        shared_kv: dict[str, SharedKV],
+        position: mx.array,
+    ) -> DraftOutput: ...
+
+    def check_target(self, target: TargetModel) -> None:
+        """Raise ValueError if this drafter cannot read `target`'s K/V."""
+        ...
+
+
+def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
+    """Gemma 4 RMSNorm: plain `x * rsqrt(mean(x^2) + eps) * w` (no `1 + w`)."""
+    return mx.fast.rms_norm(x, weight, eps)

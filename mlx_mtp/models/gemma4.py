@@ -1,0 +1,457 @@
+"""Gemma 4 text model (`gemma4_text`, and the text part of the `gemma4` wrapper).
+
+Every released variant is a config flag of one model: the dense 31B-style target
+(`attention_k_eq_v`), the 26B-A4B MoE (`enable_moe_block`), and E2B/E4B (per-layer
+embeddings, KV-shared tail layers, `use_double_wide_mlp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from functools import partial
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from ..cache import FULL, SLIDING, KVCache
+from .base import BaseConfig, ConfigError, TargetOutput, log, rms_norm
+
+
+@dataclasses.dataclass
+class Config(BaseConfig):
+    """`gemma4_text` config; defaults are transformers' where config.json may omit a key."""
+
+    vocab_size: int = 262144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    global_head_dim: Optional[int] = None
+    num_global_key_value_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
+    attention_bias: bool = False
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-6
+    rope_parameters: Optional[dict] = None
+    sliding_window: int = 512
+    layer_types: Optional[list] = None
+    final_logit_softcapping: Optional[float] = None
+    hidden_size_per_layer_input: int = 256
+    vocab_size_per_layer_input: int = 262144
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: Optional[int] = None
+    top_k_experts: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
+    use_bidirectional_attention: Optional[str] = None
+    tie_word_embeddings: bool = True
+    per_layer_config: Optional[dict] = None
+    sliding_window_pattern: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "Config":
+        params = dict(params.get("text_config", params))
+        if params.get("moe_intermediate_size") is None and "expert_intermediate_size" in params:
+            params["moe_intermediate_size"] = params.pop("expert_intermediate_size")
+        params.pop("expert_intermediate_size", None)
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            period = self.sliding_window_pattern or 6
+            self.layer_types = [SLIDING if (i + 1) % period else FULL for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"{len(self.layer_types)} layer_types for {self.num_hidden_layers} layers")
+        if self.layer_types[-1] != FULL:
+            self.layer_types = [*self.layer_types[:-1], FULL]  # transformers forces this too
+        self._apply_per_layer_config()
+        if self.rope_parameters is None:
+            self.rope_parameters = {
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            }
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ConfigError(f"unsupported hidden_activation {self.hidden_activation!r}")
+        if self.use_bidirectional_attention == "all":
+            raise ConfigError("use_bidirectional_attention='all' (non-causal Gemma 4) is not supported")
+        if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
+            raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+        if self.first_shared_layer < 1 and self.num_kv_shared_layers < self.num_hidden_layers:
+            raise ConfigError("num_kv_shared_layers leaves no layer that computes K/V")
+
+    def _apply_per_layer_config(self):
+        """Fold transformers-5.23's `per_layer_config` back into the released keys."""
+        for idx, over in (self.per_layer_config or {}).items():
+            idx = int(idx)
+            if self.layer_types[idx] != FULL:
+                raise ConfigError(f"per_layer_config overrides sliding layer {idx}; unsupported")
+            for key, value in over.items():
+                if key == "head_dim":
+                    self.global_head_dim = value
+                elif key == "num_key_value_heads":
+                    if value != self.num_key_value_heads:
+                        self.num_global_key_value_heads = value
+                else:
+                    raise ConfigError(f"unsupported per_layer_config key {key!r} for layer {idx}")
+        self.per_layer_config = None
+
+    # ---- derived geometry --------------------------------------------------------------
+
+    @property
+    def first_shared_layer(self) -> int:
+        return self.num_hidden_layers - (self.num_kv_shared_layers or 0)
+
+    def layer_head_dim(self, i: int) -> int:
+        full = self.layer_types[i] == FULL
+        return self.global_head_dim if full and self.global_head_dim else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        if self.layer_types[i] == FULL and self.attention_k_eq_v and self.num_global_key_value_heads:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def kv_source(self, i: int) -> int:
+        """Layer whose K/V layer i attends to: itself, or for a shared layer the last
+        non-shared layer of the same type (also the drafter's "store" layer)."""
+        first = self.first_shared_layer
+        if i < first:
+            return i
+        return self.store_layer(self.layer_types[i])
+
+    def store_layer(self, layer_type: str) -> int:
+        """Last non-shared layer of `layer_type`: the K/V the MTP drafter reads."""
+        for j in range(self.first_shared_layer - 1, -1, -1):
+            if self.layer_types[j] == layer_type:
+                return j
+        raise ConfigError(f"no non-shared {layer_type} layer to share K/V from")
+
+
+@partial(mx.compile, shapeless=True)
+def gelu_tanh_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def softcap(x: mx.array, cap: float) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_frequencies(params: dict, head_dim: int) -> tuple[int, Optional[float], Optional[mx.array]]:
+    """(dims, base, freqs) for `mx.fast.rope` from one layer type's `rope_parameters`."""
+    kind = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10000.0))
+    factor = float(params.get("factor", 1.0))
+    if kind == "default" and factor == 1.0:
+        return head_dim, theta, None
+    if kind == "proportional":
+        # Only the first partial*D/2 frequency pairs rotate, with exponent denominator D;
+        # pairs are (i, i + D/2) across the whole head, so rope spans all D dims.
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        periods = factor * theta ** (mx.arange(0, 2 * angles, 2, dtype=mx.float32) / head_dim)
+        rest = mx.full((head_dim // 2 - angles,), mx.inf)
+        return head_dim, None, mx.concatenate([periods, rest])
+    raise ConfigError(f"unsupported rope_type {kind!r}")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        self.layer_type = cfg.layer_types[i]
+        self.head_dim = hd = cfg.layer_head_dim(i)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.layer_kv_heads(i)
+        self.has_kv = i < cfg.first_shared_layer
+        self.k_eq_v = cfg.attention_k_eq_v and self.layer_type == FULL
+        self.eps = cfg.rms_norm_eps
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        if self.has_kv:
+            self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
+        self.rope_dims, self.rope_base, self._rope_freqs = rope_frequencies(
+            cfg.rope_parameters[self.layer_type], hd
+        )
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        return mx.fast.rope(
+            x, self.rope_dims, traditional=False, base=self.rope_base, scale=1.0,
+            offset=offset, freqs=self._rope_freqs,
+        )
+
+    def queries(self, x: mx.array, offset) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
+        return self.rope(q.transpose(0, 2, 1, 3), offset)
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset)
+        v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
+        return k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        B, _, L, _ = q.shape
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(gelu_tanh_glu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = mx.ones((cfg.hidden_size,))
+        self.per_expert_scale = mx.ones((cfg.num_experts,))
+        self.top_k = cfg.top_k_experts
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        z = rms_norm(x, None, self.eps) * self.scale * (x.shape[-1] ** -0.5)
+        scores = self.proj(z).astype(mx.float32)
+        idx = mx.argpartition(-scores, self.top_k - 1, axis=-1)[..., : self.top_k]
+        # softmax over the top-k scores == softmax, top-k, renormalise
+        weights = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1)
+        return idx, weights * self.per_expert_scale[idx]
+
+
+class GeGLU(nn.Module):
+    """SwitchGLU's activation slot: called as activation(up, gate)."""
+
+    def __call__(self, up, gate):
+        return gelu_tanh_glu(gate, up)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
+
+    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
+        y = self.switch_glu(x, idx)  # (B, L, k, H)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config, i: int):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, i)
+        wide = cfg.use_double_wide_mlp and i >= cfg.first_shared_layer
+        self.mlp = MLP(H, cfg.intermediate_size * (2 if wide else 1))
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.layer_scalar = mx.ones((1,))
+        if cfg.enable_moe_block:
+            self.router = Router(cfg)
+            self.experts = Experts(cfg)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+        if cfg.hidden_size_per_layer_input:
+            P = cfg.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(H, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, H, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(H, eps)
+
+    def feed_forward(self, r: mx.array) -> mx.array:
+        h = self.mlp(self.pre_feedforward_layernorm(r))
+        if "router" in self:
+            idx, weights = self.router(r)
+            h2 = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(h2)
+        return r + self.post_feedforward_layernorm(h)
+
+    def __call__(self, x, kv, mask, offset, per_layer_input=None):
+        """kv: this layer's (keys, values) over all visible slots."""
+        attn = self.self_attn
+        q = attn.queries(self.input_layernorm(x), offset)
+        h = x + self.post_attention_layernorm(attn.attend(q, *kv, mask))
+        h = self.feed_forward(h)
+        if per_layer_input is not None:
+            g = gelu_tanh_glu(self.per_layer_input_gate(h), per_layer_input)
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h * self.layer_scalar
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding times sqrt(dims), the scale rounded to the weight dtype as transformers does."""
+
+    def __init__(self, num: int, dims: int, scale: float):
+        super().__init__(num, dims)
+        self._scale = scale
+
+    def __call__(self, ids):
+        x = super().__call__(ids)
+        return x * mx.array(self._scale, dtype=x.dtype)
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, math.sqrt(cfg.hidden_size))
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.hidden_size_per_layer_input:
+            n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = ScaledEmbedding(cfg.vocab_size_per_layer_input, n * P, math.sqrt(P))
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * P, bias=False)
+            self.per_layer_projection_norm = RMSNorm(P, cfg.rms_norm_eps)
+
+    def per_layer_inputs(self, ids: mx.array, x: mx.array) -> mx.array:
+        """(B, L, layers, P) per-layer embedding signal for E2B/E4B."""
+        cfg = self.cfg
+        shape = (*ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        tok = self.embed_tokens_per_layer(ids).reshape(shape)
+        ctx = self.per_layer_model_projection(x) * (cfg.hidden_size**-0.5)
+        ctx = self.per_layer_projection_norm(ctx.reshape(shape))
+        return (ctx + tok) * (2.0**-0.5)
+
+    def __call__(self, ids: mx.array, cache: KVCache, pad=None):
+        cfg = self.cfg
+        x = self.embed_tokens(ids)
+        ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
+        qpos, offset = cache.begin(ids.shape[1], pad)
+        masks = {t: cache.mask(t, qpos) for t in (SLIDING, FULL)}
+        kvs: dict[int, tuple[mx.array, mx.array]] = {}
+        for i, layer in enumerate(self.layers):
+            src = cfg.kv_source(i)
+            if src == i:
+                k, v = layer.self_attn.keys_values(layer.input_layernorm(x), offset)
+                kvs[i] = cache.update(i, k, v)
+            pli = ple[:, :, i] if ple is not None else None
+            x = layer(x, kvs[src], masks[cfg.layer_types[i]], offset, pli)
+        return self.norm(x)
+
+
+class Model(nn.Module):
+    """Gemma 4 text target. Returns logits, the post-norm hidden state, and the store
+    layers' K/V (a view into the cache) for the MTP drafter."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, pad=None) -> TargetOutput:
+        cache = cache if cache is not None else self.make_cache(tokens.shape[0])
+        hidden = self.model(tokens, cache, pad)
+        logits = self.logits(hidden)
+        shared = {t: cache.shared_kv(self.config.store_layer(t)) for t in (SLIDING, FULL)}
+        return TargetOutput(logits, hidden, shared)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if "lm_head" in self:
+            out = self.lm_head(hidden)
+        else:
+            out = self.model.embed_tokens.as_linear(hidden)
+        cap = self.config.final_logit_softcapping
+        return softcap(out, cap) if cap else out
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> KVCache:
+        cfg = self.config
+        types = cfg.layer_types[: cfg.first_shared_layer]
+        return KVCache(types, cfg.sliding_window, batch_size, max_rollback)
+
+    # ---- weights -------------------------------------------------------------------
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """HF / mlx-community names -> ours. Pure and idempotent."""
+        out = {}
+        first = self.config.first_shared_layer
+        for key, value in weights.items():
+            key = rename(key)
+            if key is None:
+                continue
+            m = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", key + ".")
+            if m and int(m.group(1)) >= first:
+                continue  # KV-shared layers ship unused K/V weights
+            if key.endswith("experts.gate_up_proj"):
+                gate, up = mx.split(value, 2, axis=-2)
+                out[key.replace("gate_up_proj", "switch_glu.gate_proj.weight")] = gate
+                out[key.replace("gate_up_proj", "switch_glu.up_proj.weight")] = up
+                continue
+            if key.endswith("experts.down_proj"):
+                key += ".weight"
+                key = key.replace("experts.down_proj", "experts.switch_glu.down_proj")
+            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            out[key] = value
+        return out
+
+    @staticmethod
+    def quant_predicate(path: str, module: nn.Module):
+        """Default recipe: the MoE router stays at 8 bits; norms and scalars are not modules."""
+        if path.endswith("router.proj"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+
+_DROPPED = re.compile(
+    r"^(vision_tower|audio_tower|embed_vision|embed_audio|multi_modal_projector|vision_embedder)\."
+)
+
+
+def rename(key: str) -> Optional[str]:
+    """One checkpoint key to our name, None to drop. Shared with quantization records."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if key.startswith(prefix):
+            key = "model." + key[len(prefix) :]
+            break
+    bare = key[len("model.") :] if key.startswith("model.") else key
+    if _DROPPED.match(bare) or "rotary_emb" in key or re.search(r"\.(input|output)_(min|max)$", key):
+        return None
+    if key.startswith("lm_head"):
+        return key
+    if not key.startswith("model."):
+        log.debug("unexpected key %s", key)
+    return key

@@ -1,0 +1,32 @@
+"""Shared fixtures: the tiny transformers-made checkpoints in tests/fixtures/tiny."""
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_mtp.loading import load_model
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+VARIANTS = ("dense", "moe", "e2b")
+
+
+@lru_cache(maxsize=None)
+def tiny_target(variant: str):
+    return load_model(TINY / variant / "target")[0]
+
+
+@lru_cache(maxsize=None)
+def tiny_drafter(variant: str):
+    return load_model(TINY / variant / "drafter")[0]
+
+
+@lru_cache(maxsize=None)
+def reference(variant: str) -> dict:
+    return dict(np.load(TINY / variant / "reference.npz"))
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request):
+    return request.param
