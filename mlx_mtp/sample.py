@@ -134,7 +134,8 @@ def greedy_accept_batch(
 
 def greedy_accept(draft_tokens: mx.array, target_argmax: mx.array) -> Tuple[int, int]:
     """Single-row `greedy_accept_batch`: (K,), (K+1,) -> (n_accepted, next)."""
-    n, nxt = greedy_accept_batch(mx.array(draft_tokens)[None], mx.array(target_argmax)[None])
+    drafts, targets = mx.array(draft_tokens)[None], mx.array(target_argmax)[None]
+    n, nxt = greedy_accept_batch(drafts, targets)
     return n[0], nxt[0]
 
 

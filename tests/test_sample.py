@@ -33,7 +33,8 @@ PARAMS = SamplingParams(temperature=0.8, top_k=4)
 P_LOGITS = mx.array(np.random.default_rng(1).normal(0, 2, (V, V)), mx.float32)
 # The drafter roughly tracks the target (~70% acceptance) so that long accepted
 # runs and bonus tokens are common, yet top-k masks different tokens.
-Q_LOGITS = P_LOGITS + mx.array(np.random.default_rng(7).normal(0, 1, (V, V)), mx.float32)
+Q_NOISE = np.random.default_rng(7).normal(0, 1, (V, V))
+Q_LOGITS = P_LOGITS + mx.array(Q_NOISE, mx.float32)
 P_TAB = probs(P_LOGITS, PARAMS)  # row = previous token
 Q_TAB = probs(Q_LOGITS, PARAMS)
 STRICT = 1e-4  # p-value a correct sampler must exceed (fixed seeds)
@@ -152,7 +153,7 @@ def test_nucleus_and_min_p_hand_examples(params, expected):
 
 
 def test_greedy_is_one_hot_float32():
-    logits = mx.array(np.random.default_rng(0).normal(size=(2, 3, 7))).astype(mx.bfloat16)
+    logits = mx.array(np.random.default_rng(0).normal(size=(2, 3, 7)), mx.bfloat16)
     got = probs(logits, SamplingParams())
     assert got.dtype == mx.float32 and got.shape == (2, 3, 7)
     want = np.eye(7)[np.argmax(np.array(logits.astype(mx.float32)), -1)]
@@ -235,7 +236,9 @@ def test_same_key_same_decisions():
     drafts, q, p = _random_problem(64, 4, 8, seed=5)
     first = rejection_accept_batch(drafts, q, p, key=mx.random.key(11))
     assert rejection_accept_batch(drafts, q, p, key=mx.random.key(11)) == first
-    others = [rejection_accept_batch(drafts, q, p, key=mx.random.key(s)) for s in (12, 13)]
+    others = [
+        rejection_accept_batch(drafts, q, p, key=mx.random.key(s)) for s in (12, 13)
+    ]
     assert any(o != first for o in others)
     n1, t1 = rejection_accept(drafts[0], q[0], p[0], key=mx.random.key(11))
     n, t = rejection_accept_batch(drafts[:1], q[:1], p[:1], key=mx.random.key(11))
@@ -248,7 +251,8 @@ def test_zero_q_draft_rejected_and_empty_residual_falls_back_to_p():
     # max(p - q, 0) is all zero, so the replacement is drawn from p itself.
     rows = 4000
     pq = mx.broadcast_to(mx.array([[0.5, 0.5, 0.0, 0.0]]), (rows, 1, 4))
-    p = mx.concatenate([pq, mx.broadcast_to(mx.array([[0.0, 0, 0, 1]]), (rows, 1, 4))], 1)
+    bonus = mx.broadcast_to(mx.array([[0.0, 0, 0, 1]]), (rows, 1, 4))
+    p = mx.concatenate([pq, bonus], axis=1)
     drafts = mx.full((rows, 1), 2, mx.int32)
     n, nxt = rejection_accept_batch(drafts, pq, p, key=mx.random.key(9))
     assert set(n) == {0} and set(nxt) <= {0, 1}
@@ -262,7 +266,8 @@ def test_no_drafts_draws_from_p0():
 
 
 def test_acceptance_rate_formula():
-    assert acceptance_rate(mx.array([0.5, 0.5, 0.0]), mx.array([0.25, 0.25, 0.5])) == 0.5
+    p, q = mx.array([0.5, 0.5, 0.0]), mx.array([0.25, 0.25, 0.5])
+    assert acceptance_rate(p, q) == 0.5
     assert acceptance_rate(P_TAB[0], P_TAB[0]) == pytest.approx(1.0, abs=1e-6)
 
 

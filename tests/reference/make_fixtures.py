@@ -548,6 +548,8 @@ def exact_references(target, drafter, prompt, greedy, d_tokens) -> dict:
         "hidden_exact": f32(hidden[0]),
         "draft_logits_exact": f32(torch.stack(logits)),
         "draft_hidden_exact": f32(torch.stack(hiddens)),
+        **{f"kv_{name}_{kv_name}_exact": f32(out.shared_kv_states[kind][j][0])
+           for kind, name in ((S, "sliding"), (F, "full")) for j, kv_name in ((0, "k"), (1, "v"))},
     }
 
 
