@@ -164,16 +164,17 @@ class KVCache:
         self.offset = new_offset
 
     def _check_rollback(self, name: str, track: _Track, n: np.ndarray, new_offset: np.ndarray):
-        if (n > track.length).any() or (new_offset < 0).any():
+        if (new_offset < 0).any():
+            raise CacheError(f"cannot roll back {n.tolist()} tokens: rows hold only {self.offset.tolist()}")
+        if track.window is not None:
+            need_from = np.maximum(0, new_offset - (track.window + 1))
+            if (track.evicted > need_from).any():
+                raise CacheError(
+                    f"cannot roll back {n.tolist()} tokens: the sliding-window cache retains only "
+                    f"{track.keep} positions (window {track.window} + 1 + max_rollback {self.max_rollback})"
+                )
+        if (n > track.length).any():
             raise CacheError(f"cannot roll back {n.tolist()} tokens: only {track.length} slots in {name}")
-        if track.window is None:
-            return
-        need_from = np.maximum(0, new_offset - (track.window + 1))
-        if (track.evicted > need_from).any():
-            raise CacheError(
-                f"cannot roll back {n.tolist()} tokens: the sliding-window cache retains only "
-                f"{track.keep} positions (window {track.window} + 1 + max_rollback {self.max_rollback})"
-            )
 
     # ---- memory ---------------------------------------------------------------------
 
@@ -192,7 +193,6 @@ class KVCache:
         index = self._kept_slots(track)
         kept = index.shape[1]
         capacity = kept + max(length, track.step)
-        capacity = -(-capacity // track.step) * track.step
         self._relayout(track, index, capacity)
 
     def _kept_slots(self, track: _Track) -> np.ndarray:

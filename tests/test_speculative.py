@@ -1,0 +1,103 @@
+"""Speculative decoding emits exactly what the target alone would (greedy), past the window."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import reference, tiny_drafter, tiny_target
+
+from mlx_mtp.generate import generate_tokens
+from mlx_mtp.models.base import DraftOutput
+from mlx_mtp.stats import Stats
+
+N_TOKENS = 60  # prompt 20 + 60 generated: far past the sliding window of 8
+
+
+def plain(variant, n=N_TOKENS):
+    return [t for t, _ in generate_tokens(tiny_target(variant), reference(variant)["prompt"].tolist(),
+                                          max_tokens=n)]
+
+
+def mtp(variant, drafter, k, n=N_TOKENS, stats=None, **kw):
+    out = generate_tokens(tiny_target(variant), reference(variant)["prompt"].tolist(), drafter=drafter,
+                          draft_tokens=k, max_tokens=n, stats=stats, **kw)
+    return [t for t, _ in out]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, "auto"])
+def test_greedy_mtp_equals_plain_with_random_drafter(variant, k):
+    stats = Stats()
+    assert mtp(variant, tiny_drafter(variant), k, stats=stats) == plain(variant)
+    if k != "auto":
+        assert stats.rounds > 0 and stats.accepted < stats.drafted  # rejections really happened
+
+
+class OracleDrafter:
+    """Proposes the target's true greedy continuation, except where a fixed random pattern
+    says to propose a wrong token: forces partial acceptance at varied positions."""
+
+    def __init__(self, target, prompt_len, truth, p_right, seed=0):
+        self.target, self.prompt_len, self.truth = target, prompt_len, truth
+        self.rng = np.random.default_rng(seed)
+        self.p_right = p_right
+        self.block = (None, 0)
+
+    def check_target(self, target):
+        pass
+
+    def draft_step(self, token_embed, hidden, shared_kv, position):
+        p = int(position[0].item())
+        step = self.block[1] + 1 if self.block[0] == p else 0
+        self.block = (p, step)
+        index = p - self.prompt_len + 1 + step  # index into the generated sequence
+        right = self.truth[index] if index < len(self.truth) else 0
+        token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.integers(100)) % 128
+        logits = mx.where(mx.arange(128) == token, 10.0, -10.0)[None]
+        return DraftOutput(logits, hidden)
+
+
+@pytest.mark.parametrize("p_right", [0.5, 0.8, 0.95])
+def test_greedy_mtp_equals_plain_with_oracle_partial_acceptance(variant, p_right):
+    truth, stats = plain(variant), Stats()
+    drafter = OracleDrafter(tiny_target(variant), 20, truth, p_right)
+    assert mtp(variant, drafter, 4, stats=stats) == truth
+    assert 0 < stats.accepted < stats.drafted
+    # acceptance happened at several different positions within blocks
+    assert sum(1 for a, d in zip(stats.accepted_at, stats.drafted_at) if 0 < a < d) >= 2
+
+
+def test_oracle_acceptance_gives_fewer_target_forwards():
+    truth, stats = plain("dense"), Stats()
+    drafter = OracleDrafter(tiny_target("dense"), 20, truth, 1.0)
+    assert mtp("dense", drafter, 4, stats=stats) == truth
+    assert stats.acceptance_length == pytest.approx(5.0, abs=0.3)
+    assert stats.target_forwards < len(truth) / 3
+
+
+def test_eos_inside_accepted_run_stops_there():
+    truth = plain("dense")
+    stop = truth[13]  # lies inside an accepted block when drafting 4 at a time
+    first = truth.index(stop)
+    drafter = OracleDrafter(tiny_target("dense"), 20, truth, 1.0)
+    out = mtp("dense", drafter, 4, stop_ids=[stop])
+    assert out == truth[: first + 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_max_tokens_counts_emitted_tokens(n):
+    truth = plain("dense")
+    drafter = OracleDrafter(tiny_target("dense"), 20, truth, 1.0)
+    assert mtp("dense", drafter, 4, n=n) == truth[:n]
+
+
+def test_sampling_is_reproducible_with_seed_and_mtp_can_be_off():
+    kw = dict(drafter=tiny_drafter("moe"), draft_tokens=3, max_tokens=30, seed=7)
+    from mlx_mtp.sample import SamplingParams
+
+    s = SamplingParams(temperature=1.0, top_p=0.9)
+    target, prompt = tiny_target("moe"), reference("moe")["prompt"].tolist()
+    a = [t for t, _ in generate_tokens(target, prompt, sampling=s, **kw)]
+    b = [t for t, _ in generate_tokens(target, prompt, sampling=s, **kw)]
+    assert a == b and len(a) == 30
+    stats = Stats()
+    off = generate_tokens(target, prompt, sampling=s, **{**kw, "draft_tokens": 0}, stats=stats)
+    assert len(list(off)) == 30 and stats.rounds == 0 and stats.plain_steps == 29
