@@ -128,3 +128,63 @@ def generate_tokens(
         left -= len(emitted)
         if emitted[-1] in stop:
             return
+
+
+@dataclasses.dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+
+
+def stream_generate(
+    loaded,
+    prompt: Union[str, Sequence[int]],
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(),
+    draft_tokens: Union[int, str] = "auto",
+    mtp: bool = True,
+    seed: Optional[int] = None,
+    cache: Optional[KVCache] = None,
+) -> Iterator[Event]:
+    """Stream a completion of `prompt` (text, or token ids) from a `load()`ed model.
+
+    Each event carries the new text, the token, whether it came from an accepted draft,
+    and the running statistics; the last one has `finish_reason` "stop" or "length".
+    """
+    tokenizer = loaded.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        prompt = tokenizer.encode(prompt)
+    detok = tokenizer.detokenizer if tokenizer is not None else None
+    if detok is not None:
+        detok.reset()
+    stats = Stats()
+    tokens = generate_tokens(
+        loaded.target, prompt, drafter=loaded.drafter if mtp else None, cache=cache, sampling=sampling,
+        draft_tokens=draft_tokens, max_tokens=max_tokens, stop_ids=loaded.eos_ids, seed=seed, stats=stats,
+    )
+    n = 0
+    for token, from_draft in tokens:
+        n += 1
+        finish = "stop" if token in loaded.eos_ids else ("length" if n >= max_tokens else None)
+        text = ""
+        if detok is not None:
+            if finish != "stop":
+                detok.add_token(token)
+            if finish:
+                detok.finalize()
+            text = detok.last_segment
+        yield Event(text, token, from_draft, finish, stats)
+
+
+def generate(loaded, prompt: Union[str, Sequence[int]], **kwargs) -> Result:
+    """Generate a whole completion; see `stream_generate` for the arguments."""
+    text, tokens, event = [], [], None
+    for event in stream_generate(loaded, prompt, **kwargs):
+        text.append(event.text)
+        tokens.append(event.token)
+    return Result("".join(text), tokens, event.finish_reason or "length", event.stats)

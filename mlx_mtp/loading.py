@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,3 +149,52 @@ def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
     model.update(
         tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
     )
+
+
+class Loaded(NamedTuple):
+    """A target, its tokenizer (None if the directory has none), an optional drafter,
+    and the token ids that end a reply."""
+
+    target: nn.Module
+    tokenizer: Any
+    drafter: Optional[nn.Module]
+    eos_ids: frozenset
+
+
+def load(
+    model: Union[str, Path], drafter: Union[str, Path, None] = None, dtype: Optional[mx.Dtype] = None
+) -> Loaded:
+    """Load a Gemma 4 target (and optionally its MTP drafter) for generation.
+
+    Raises:
+        ValueError: the drafter cannot read this target's K/V (wrong pair).
+    """
+    target, config, path = load_model(model, dtype=dtype)
+    draft = None
+    if drafter is not None:
+        draft = load_model(drafter, dtype=dtype)[0]
+        draft.check_target(target)
+    return Loaded(target, load_tokenizer(path), draft, eos_ids(path, config))
+
+
+def load_tokenizer(path: Path):
+    """mlx-lm's TokenizerWrapper when the directory has tokenizer files, else None."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    return load_tok(path)
+
+
+def eos_ids(path: Path, config: dict[str, Any]) -> frozenset:
+    """Stop tokens from config.json (top level and text_config) and generation_config.json."""
+    found: set[int] = set()
+    sources = [config, config.get("text_config", {})]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is not None:
+            found.update(value if isinstance(value, list) else [value])
+    return frozenset(found)
