@@ -1,12 +1,10 @@
 """Speculative decoding emits exactly what the target alone would (greedy), past the window."""
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from conftest import reference, tiny_drafter, tiny_target
 
 from mlx_mtp.generate import generate_tokens
-from mlx_mtp.models.base import DraftOutput
+from mlx_mtp.oracle import OracleDrafter as Oracle
 from mlx_mtp.stats import Stats
 
 N_TOKENS = 60  # prompt 20 + 60 generated: far past the sliding window of 8
@@ -31,28 +29,8 @@ def test_greedy_mtp_equals_plain_with_random_drafter(variant, k):
         assert stats.rounds > 0 and stats.accepted < stats.drafted  # rejections really happened
 
 
-class OracleDrafter:
-    """Proposes the target's true greedy continuation, except where a fixed random pattern
-    says to propose a wrong token: forces partial acceptance at varied positions."""
-
-    def __init__(self, target, prompt_len, truth, p_right, seed=0):
-        self.target, self.prompt_len, self.truth = target, prompt_len, truth
-        self.rng = np.random.default_rng(seed)
-        self.p_right = p_right
-        self.block = (None, 0)
-
-    def check_target(self, target):
-        pass
-
-    def draft_step(self, token_embed, hidden, shared_kv, position):
-        p = int(position[0].item())
-        step = self.block[1] + 1 if self.block[0] == p else 0
-        self.block = (p, step)
-        index = p - self.prompt_len + 1 + step  # index into the generated sequence
-        right = self.truth[index] if index < len(self.truth) else 0
-        token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.integers(100)) % 128
-        logits = mx.where(mx.arange(128) == token, 10.0, -10.0)[None]
-        return DraftOutput(logits, hidden)
+def OracleDrafter(target, prompt_len, truth, p_right, seed=0):
+    return Oracle(truth, prompt_len, 128, p_right, seed=seed)
 
 
 @pytest.mark.parametrize("p_right", [0.5, 0.8, 0.95])

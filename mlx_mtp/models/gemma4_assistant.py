@@ -111,6 +111,8 @@ class Model(nn.Module):
             mine = next(i for i, k in enumerate(t.layer_types) if k == kind)
             if t.layer_head_dim(mine) != tc.layer_head_dim(src):
                 problems.append(f"{kind} head_dim {t.layer_head_dim(mine)} != target {tc.layer_head_dim(src)}")
+            if t.layer_kv_heads(mine) != tc.layer_kv_heads(src):
+                problems.append(f"{kind} kv heads {t.layer_kv_heads(mine)} != target {tc.layer_kv_heads(src)}")
             if t.num_attention_heads % tc.layer_kv_heads(src):
                 problems.append(f"{t.num_attention_heads} heads not divisible by target {kind} kv heads")
         if t.sliding_window != tc.sliding_window:

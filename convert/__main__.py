@@ -1,0 +1,5 @@
+import sys
+
+from .convert import main
+
+sys.exit(main())

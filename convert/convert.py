@@ -1,0 +1,269 @@
+"""Convert a Gemma 4 target or MTP drafter checkpoint (HF dir or hub id) to an MLX directory.
+
+Loading is `mlx_mtp.loading.load_model(lazy=True)`, so the model file's `sanitize` is the only
+place that knows checkpoint names. Weights are then cast / quantized lazily and written one
+output shard at a time: peak memory is about one shard, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_mtp import quantize as q
+from mlx_mtp.loading import WeightsError, load_model, read_config, resolve
+from mlx_mtp.models import model_module
+from mlx_mtp.models.gemma4 import Config as TextConfig
+
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+TARGET_TYPES = ("gemma4", "gemma4_text")
+DRAFTER_TYPE = "gemma4_assistant"
+EXTRA_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+DEFAULT_SHARD_GB = 5.0  # mlx-lm's MAX_FILE_SIZE_GB
+
+
+def convert(
+    source: Union[str, Path],
+    output: Union[str, Path],
+    *,
+    dtype: str = "bfloat16",
+    quantize: bool = False,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    mode: str = "affine",
+    preset: Optional[str] = None,
+    quantize_drafter: bool = False,
+    max_shard_gb: float = DEFAULT_SHARD_GB,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert `source` into the MLX directory `output`.
+
+    Args:
+        source: local HF directory or hub id of a `gemma4` / `gemma4_text` target or a
+            `gemma4_assistant` drafter.
+        output: directory to create; it is written to a temporary sibling and renamed
+            into place only when complete.
+        dtype: floating-point dtype of everything left unquantized.
+        quantize: quantize the target (`bits`, `group_size`, `mode`, `preset`); a drafter is
+            quantized only with `quantize_drafter` as well.
+        max_shard_gb: largest output shard (also about the peak memory).
+        force: replace an existing `output`.
+
+    Returns:
+        The output path.
+    """
+    output = Path(output).expanduser().absolute()
+    if output.exists() and not force:
+        raise FileExistsError(f"{output} exists; pass --force to replace it")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if max_shard_gb <= 0:
+        raise ValueError("max_shard_gb must be positive")
+    src = resolve(source)
+    model_type = read_config(src).get("model_type")
+    model_module(model_type)  # unknown types fail here, before anything is written
+    is_drafter = model_type == DRAFTER_TYPE
+    if quantize and is_drafter and not quantize_drafter:
+        _say("drafter kept unquantized (pass --quantize-drafter to quantize it)", progress)
+        quantize = False
+    elif quantize_drafter and is_drafter:
+        quantize = True
+    if not quantize and (bits is not None or group_size is not None or preset is not None or mode != "affine"):
+        if not is_drafter:
+            raise ValueError("--bits/--group-size/--mode/--preset need --quantize (-q)")
+    if quantize:
+        q.base_params(bits, group_size, mode)  # bad settings fail before any work
+
+    model, config, _ = load_model(src, dtype=DTYPES[dtype], lazy=True)
+    config = output_config(config, model, dtype)
+    if quantize:
+        config = q.quantize(model, config, bits=bits, group_size=group_size, mode=mode, preset=preset)
+    prefix = "language_model." if model_type == "gemma4" else ""
+    if prefix and "quantization" in config:
+        config["quantization"] = {
+            (prefix + k if isinstance(v, (dict, bool)) else k): v for k, v in config["quantization"].items()
+        }
+    config.pop("quantization_config", None)  # save_config writes it back from `quantization`
+
+    weights = {prefix + k: v for k, v in tree_flatten(model.parameters())}
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the shards own the arrays now
+    del model
+
+    tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_weights(tmp, weights, int(max_shard_gb * (1 << 30)), progress)
+        from mlx_lm.utils import save_config
+
+        save_config(config, tmp / "config.json")
+        for name in EXTRA_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        _move_into_place(tmp, output, force)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RuntimeError) and "safetensors" in str(e):
+            raise WeightsError(f"cannot read {src}: {e}") from e
+        raise
+    return output
+
+
+def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
+    """The input config in the released form mlx-lm reads (`global_head_dim`, no `per_layer_config`)."""
+    config = copy.deepcopy(config)
+    for key in ("vision_config", "audio_config", "vision_soft_tokens_per_image"):
+        config.pop(key, None)
+    text_cfg = model.config.text if config["model_type"] == DRAFTER_TYPE else model.config
+    text = config.get("text_config", config) if config["model_type"] != "gemma4_text" else config
+    _released_text_config(text, text_cfg)
+    if config["model_type"] == "gemma4":
+        config["vocab_size"] = text["vocab_size"]  # mlx-lm's wrapper otherwise assumes 262144
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    return config
+
+
+def _released_text_config(text: dict[str, Any], cfg: TextConfig) -> None:
+    text.pop("per_layer_config", None)
+    text["global_head_dim"] = cfg.global_head_dim or cfg.head_dim
+    if cfg.num_global_key_value_heads is not None:
+        text["num_global_key_value_heads"] = cfg.num_global_key_value_heads
+    text["layer_types"] = list(cfg.layer_types)
+
+
+def plan_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    """Split into shards of at most `max_bytes` (a bigger tensor gets a shard of its own)."""
+    shards, size = [], 0
+    for key, value in weights.items():
+        if not shards or size + value.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    return shards
+
+
+def write_weights(path: Path, weights: dict[str, mx.array], max_bytes: int, progress: bool = True) -> None:
+    """Evaluate and write one shard at a time, dropping each before the next."""
+    shards = plan_shards(weights, max_bytes)
+    weights.clear()
+    total = sum(v.nbytes for s in shards for v in s.values())
+    bar = Progress(total, progress)
+    count = len(shards)
+    names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    weight_map = {}
+    for i in range(count):
+        shard, shards[i] = shards[i], None
+        for key, value in shard.items():
+            mx.eval(value)  # one tensor at a time: its source is freed before the next is read
+            bar.update(value.nbytes)
+        mx.save_safetensors(str(path / names[i]), shard, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(shard, names[i]))
+        del shard
+    bar.close()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+
+
+def _move_into_place(tmp: Path, output: Path, force: bool) -> None:
+    if output.exists():
+        if not force:
+            raise FileExistsError(f"{output} exists; pass --force to replace it")
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        os.replace(output, old)
+        os.replace(tmp, output)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    else:
+        os.replace(tmp, output)
+
+
+class Progress:
+    """A one-line stderr progress bar: bytes done, rate, ETA."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.start = self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self.last > 0.5 or self.done >= self.total):
+            self.last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate else 0.0
+        pct = 100.0 * self.done / max(self.total, 1)
+        sys.stderr.write(
+            f"\r[convert] {pct:5.1f}%  {_gb(self.done)}/{_gb(self.total)} GB  "
+            f"{rate * 60 / 1e9:.2f} GB/min  ETA {eta:4.0f}s "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def _say(msg: str, enabled: bool) -> None:
+    if enabled:
+        print(f"[convert] {msg}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-mtp-convert",
+        description="Convert a Gemma 4 target (gemma4 / gemma4_text) or MTP drafter (gemma4_assistant) to MLX.",
+    )
+    p.add_argument("source", help="local Hugging Face directory or hub id")
+    p.add_argument("output", help="MLX directory to create")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="dtype of unquantized weights")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize Linear/Embedding weights")
+    p.add_argument("--bits", type=int, choices=q.BITS, help="bits per weight (affine; default 4)")
+    p.add_argument("--group-size", type=int, choices=q.GROUP_SIZES, help="affine group size (default 64)")
+    p.add_argument("--mode", default="affine", choices=("affine", *q.FIXED_MODES), help="quantization mode")
+    p.add_argument("--preset", choices=q.PRESETS, help="mixed recipe, e.g. mixed_4_8: first/last layers at 8 bits")
+    p.add_argument("--quantize-drafter", action="store_true", help="quantize a gemma4_assistant drafter too")
+    p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_GB, help="GB per output shard")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    quantize = args.quantize or args.preset is not None
+    try:
+        out = convert(
+            args.source, args.output, dtype=args.dtype, quantize=quantize, bits=args.bits,
+            group_size=args.group_size, mode=args.mode, preset=args.preset,
+            quantize_drafter=args.quantize_drafter, max_shard_gb=args.max_shard_size,
+            force=args.force, progress=not args.quiet,
+        )
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"mlx-mtp-convert: error: {e}", file=sys.stderr)
+        return 1
+    _say(f"wrote {out}", not args.quiet)
+    return 0
