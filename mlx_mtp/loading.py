@@ -112,6 +112,13 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, pr
     )
 
 
+def check_quantization(config: dict[str, Any], path: Path) -> None:
+    """Only MLX's own `quantization` record is understood; say so for other formats."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if "quantization" not in config and method:
+        raise ConfigError(f"{path}: {method!r} quantized checkpoints are not supported; convert from bf16 weights")
+
+
 def load_model(
     path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None, lazy: bool = False
 ) -> tuple[nn.Module, dict[str, Any], Path]:
@@ -126,6 +133,7 @@ def load_model(
     if model_type is None:
         raise ConfigError(f"{path / 'config.json'} has no model_type")
     module = model_module(model_type)
+    check_quantization(config, path)
     model = module.Model(module.Config.from_dict(config))
     weights = model.sanitize(load_weights(weight_files(path)))
     if "quantization" in config:

@@ -84,8 +84,8 @@ class Config(BaseConfig):
             raise ConfigError("use_bidirectional_attention='all' (non-causal Gemma 4) is not supported")
         if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
             raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
-        if self.first_shared_layer < 1 and self.num_kv_shared_layers < self.num_hidden_layers:
-            raise ConfigError("num_kv_shared_layers leaves no layer that computes K/V")
+        if not 0 <= (self.num_kv_shared_layers or 0) <= self.num_hidden_layers:
+            raise ConfigError(f"num_kv_shared_layers {self.num_kv_shared_layers} out of range")
 
     def _apply_per_layer_config(self):
         """Fold transformers-5.23's `per_layer_config` back into the released keys."""
@@ -309,43 +309,41 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class ScaledEmbedding(nn.Embedding):
-    """Embedding times sqrt(dims), the scale rounded to the weight dtype as transformers does."""
-
-    def __init__(self, num: int, dims: int, scale: float):
-        super().__init__(num, dims)
-        self._scale = scale
-
-    def __call__(self, ids):
-        x = super().__call__(ids)
-        return x * mx.array(self._scale, dtype=x.dtype)
+def scaled_embed(embedding: nn.Module, ids: mx.array, scale: float) -> mx.array:
+    """Embedding times `scale`, rounded to the embedding dtype as transformers does. A free
+    function (not a subclass) so that nn.quantize's QuantizedEmbedding keeps the scale."""
+    x = embedding(ids)
+    return x * mx.array(scale, dtype=x.dtype)
 
 
 class TextModel(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, math.sqrt(cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-            self.embed_tokens_per_layer = ScaledEmbedding(cfg.vocab_size_per_layer_input, n * P, math.sqrt(P))
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * P)
             self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * P, bias=False)
             self.per_layer_projection_norm = RMSNorm(P, cfg.rms_norm_eps)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return scaled_embed(self.embed_tokens, ids, math.sqrt(self.cfg.hidden_size))
 
     def per_layer_inputs(self, ids: mx.array, x: mx.array) -> mx.array:
         """(B, L, layers, P) per-layer embedding signal for E2B/E4B."""
         cfg = self.cfg
         shape = (*ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
-        tok = self.embed_tokens_per_layer(ids).reshape(shape)
+        tok = scaled_embed(self.embed_tokens_per_layer, ids, math.sqrt(shape[-1])).reshape(shape)
         ctx = self.per_layer_model_projection(x) * (cfg.hidden_size**-0.5)
         ctx = self.per_layer_projection_norm(ctx.reshape(shape))
         return (ctx + tok) * (2.0**-0.5)
 
     def __call__(self, ids: mx.array, cache: KVCache, pad=None):
         cfg = self.cfg
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
         qpos, offset = cache.begin(ids.shape[1], pad)
         masks = {t: cache.mask(t, qpos) for t in (SLIDING, FULL)}
@@ -395,7 +393,7 @@ class Model(nn.Module):
         return softcap(out, cap) if cap else out
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.model.embed_tokens(tokens)
+        return self.model.embed(tokens)
 
     def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> KVCache:
         cfg = self.config
