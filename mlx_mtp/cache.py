@@ -176,6 +176,45 @@ class KVCache:
         if (n > track.length).any():
             raise CacheError(f"cannot roll back {n.tolist()} tokens: only {track.length} slots in {name}")
 
+    # ---- batch membership -------------------------------------------------------------
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only `rows`, in this order (sequences leaving a batch)."""
+        rows_np = np.asarray(rows, dtype=np.int64)
+        index = mx.array(rows_np.astype(np.int32))
+        for track in self.tracks.values():
+            track.pos = track.pos[index]
+            track.evicted = track.evicted[rows_np]
+        for i, buf in enumerate(self.keys):
+            if buf is not None:
+                self.keys[i], self.values[i] = buf[index], self.values[i][index]
+        self.offset = self.offset[rows_np]
+
+    def extend(self, other: "KVCache") -> None:
+        """Append `other`'s rows (sequences joining a batch). Slots are aligned on the right,
+        the shorter side left-padded with empty (-1) slots."""
+        if (other.layer_types, other.window, other.max_rollback) != (self.layer_types, self.window, self.max_rollback):
+            raise CacheError("cannot join caches of different models or rollback budgets")
+        for name, track in self.tracks.items():
+            theirs = other.tracks[name]
+            length = max(track.length, theirs.length)
+            capacity = length + track.step
+            mine_idx, their_idx = track.length, theirs.length
+            track.pos = mx.concatenate(
+                [_right_align(track.pos, mine_idx, length, capacity, -1),
+                 _right_align(theirs.pos, their_idx, length, capacity, -1)], axis=0)
+            for i, kind in enumerate(self.layer_types):
+                if kind != name:
+                    continue
+                for bufs, obufs in ((self.keys, other.keys), (self.values, other.values)):
+                    bufs[i] = mx.concatenate(
+                        [_right_align(bufs[i], mine_idx, length, capacity, 0, axis=2),
+                         _right_align(obufs[i], their_idx, length, capacity, 0, axis=2)], axis=0)
+            track.length = length
+            track.evicted = np.concatenate([track.evicted, theirs.evicted])
+            track.holes = track.holes or theirs.holes or mine_idx != their_idx
+        self.offset = np.concatenate([self.offset, other.offset])
+
     # ---- memory ---------------------------------------------------------------------
 
     @property
@@ -254,3 +293,20 @@ class KVCache:
             buf_k = mx.concatenate([buf_k, mx.zeros((*buf_k.shape[:2], grow, buf_k.shape[3]), buf_k.dtype)], 2)
             buf_v = mx.concatenate([buf_v, mx.zeros((*buf_v.shape[:2], grow, buf_v.shape[3]), buf_v.dtype)], 2)
         return buf_k, buf_v
+
+
+def _right_align(buf: mx.array, used: int, length: int, capacity: int, fill, axis: int = 1) -> mx.array:
+    """buf[..., :used] placed at [length - used, length) of a `capacity`-long axis."""
+    data = buf[:, :used] if axis == 1 else buf[:, :, :used]
+    shape = list(data.shape)
+    parts = []
+    for width in (length - used, None):
+        if width is None:
+            parts.append(data)
+            continue
+        if width:
+            shape[axis] = width
+            parts.append(mx.full(shape, fill, dtype=buf.dtype))
+    shape[axis] = capacity - length
+    parts.append(mx.full(shape, fill, dtype=buf.dtype))
+    return mx.concatenate(parts, axis=axis)

@@ -115,7 +115,7 @@ def generate_tokens(
             raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
         k = min(policy.next(), room - 1) if room > 1 else 0
         key, sub = mx.random.split(key) if key is not None else (None, None)
-        result = run_round(target, drafter, cache, state, k, sampling, [left], stop, sub)
+        result = run_round(target, drafter, cache, state, k, sampling, [left], [stop], sub)
         emitted, state = result.emitted[0], result.state
         policy.observe(k, result.accepted[0], len(emitted), timer.lap())
         stats.observe_round(k, result.accepted[0])

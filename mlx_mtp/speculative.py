@@ -85,16 +85,17 @@ def accept(
 
 
 def emit(
-    drafts: Drafts, n: Sequence[int], nxt: Sequence[int], budget: Sequence[int], stop_ids: frozenset
+    drafts: Drafts, n: Sequence[int], nxt: Sequence[int], budget: Sequence[int],
+    stop_ids: Sequence[frozenset],
 ) -> list[list[int]]:
-    """Per row: accepted drafts then the target's token, cut after a stop token or at the
-    row's remaining token budget."""
+    """Per row: accepted drafts then the target's token, cut after one of the row's stop
+    tokens or at its remaining token budget."""
     rows = drafts.tokens.tolist()
     out = []
-    for row, n_b, t, left in zip(rows, n, nxt, budget):
+    for row, n_b, t, left, stops in zip(rows, n, nxt, budget, stop_ids):
         tokens = [*row[:n_b], t][: max(left, 1)]
         for i, tok in enumerate(tokens):
-            if tok in stop_ids:
+            if tok in stops:
                 tokens = tokens[: i + 1]
                 break
         out.append(tokens)
@@ -116,7 +117,8 @@ def next_state(out: TargetOutput, emitted: Sequence[Sequence[int]]) -> RoundStat
 
 def run_round(
     target: TargetModel, drafter: Optional[Drafter], cache: KVCache, state: RoundState, k: int,
-    sampling: SamplingParams, budget: Sequence[int], stop_ids: frozenset, key: Optional[mx.array] = None,
+    sampling: SamplingParams, budget: Sequence[int], stop_ids: Sequence[frozenset],
+    key: Optional[mx.array] = None,
 ) -> RoundResult:
     """draft -> verify -> accept -> emit -> rollback, for every row of the cache."""
     k_draft, k_accept = mx.random.split(key) if key is not None else (None, None)

@@ -31,7 +31,7 @@ def test_mtp_sampled_tokens_follow_the_target_distribution():
     first_accepted = []
     while min(len(e) for e in emitted) < 2:
         key, sub = mx.random.split(key)
-        result = run_round(target, drafter, cache, state, K, SAMPLING, [8] * ROWS, frozenset(), sub)
+        result = run_round(target, drafter, cache, state, K, SAMPLING, [8] * ROWS, [frozenset()] * ROWS, sub)
         if not first_accepted:
             first_accepted = [n > 0 for n in result.accepted]
         for row, tokens in zip(emitted, result.emitted):

@@ -381,8 +381,11 @@ class Model(nn.Module):
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
         hidden = self.model(tokens, cache, pad)
         logits = self.logits(hidden)
-        shared = {t: cache.shared_kv(self.config.store_layer(t)) for t in (SLIDING, FULL)}
-        return TargetOutput(logits, hidden, shared)
+        return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def shared_kv(self, cache: KVCache) -> dict:
+        """Views of the store layers' K/V (last sliding, last full non-shared layer)."""
+        return {t: cache.shared_kv(self.config.store_layer(t)) for t in (SLIDING, FULL)}
 
     def logits(self, hidden: mx.array) -> mx.array:
         if "lm_head" in self:
