@@ -108,26 +108,85 @@ def generate_tokens(
     if token in stop or max_tokens <= 1:
         return
 
+    if drafter is None or draft_tokens == 0:
+        yield from plain_loop(target, cache, state.tokens, sampling, max_tokens - 1, stop, key, stats)
+        return
     timer, decode_start, left = Timer(), time.perf_counter(), max_tokens - 1
-    while left > 0:
-        room = limit - int(cache.offset[0]) - 1
-        if room <= 0:
-            raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
-        k = min(policy.next(), room - 1) if room > 1 else 0
-        key, sub = mx.random.split(key) if key is not None else (None, None)
-        result = run_round(target, drafter, cache, state, k, sampling, [left], [stop], sub)
-        emitted, state = result.emitted[0], result.state
-        policy.observe(k, result.accepted[0], len(emitted), timer.lap())
-        stats.observe_round(k, result.accepted[0])
-        for i, tok in enumerate(emitted):
-            from_draft = i < len(emitted) - 1 or (k > 0 and i < result.accepted[0])
+    unyielded = 0  # tokens of the current round already in the cache but not handed out
+    try:
+        while left > 0:
+            room = limit - int(cache.offset[0]) - 1
+            if room <= 0:
+                raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
+            k = min(policy.next(), room - 1) if room > 1 else 0
+            key, sub = mx.random.split(key) if key is not None else (None, None)
+            result = run_round(target, drafter, cache, state, k, sampling, [left], [stop], sub)
+            emitted, state = result.emitted[0], result.state
+            policy.observe(k, result.accepted[0], len(emitted), timer.lap())
+            stats.observe_round(k, result.accepted[0])
+            unyielded = len(emitted)
+            for i, tok in enumerate(emitted):
+                from_draft = i < len(emitted) - 1 or (k > 0 and i < result.accepted[0])
+                stats.emitted += 1
+                stats.from_draft += from_draft
+                stats.decode_seconds = time.perf_counter() - decode_start
+                unyielded -= 1
+                yield tok, from_draft
+            left -= len(emitted)
+            if emitted[-1] in stop:
+                return
+    finally:
+        if unyielded:  # the caller stopped inside a round's block
+            cache.trim(unyielded)
+
+
+def plain_loop(
+    target: TargetModel, cache: KVCache, token: mx.array, sampling: SamplingParams, n: int,
+    stop: frozenset, key: Optional[mx.array], stats: Stats,
+) -> Iterator[tuple[int, bool]]:
+    """Plain decoding, pipelined: step t+1 is scheduled before token t is handed out. The
+    speculatively fed token is trimmed again on exit, keeping the cache invariant."""
+    limit = target.config.max_position_embeddings
+
+    def step(y, key):
+        hidden = target(y[:, None], cache).hidden[:, -1]
+        logits = target.logits(hidden)
+        if sampling.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return sample(probs(logits, sampling), key)
+
+    def next_key():
+        nonlocal key
+        if key is None:
+            return None
+        key, sub = mx.random.split(key)
+        return sub
+
+    decode_start, fed, emitted = time.perf_counter(), 1, 0
+    y = step(token, next_key())
+    mx.async_eval(y)
+    try:
+        for i in range(n):
+            nxt = None
+            if i < n - 1:
+                if int(cache.offset[0]) + 1 >= limit:
+                    raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
+                nxt = step(y, next_key())
+                fed += 1
+                mx.async_eval(nxt)
+            tok = int(y.item())
+            emitted += 1
+            stats.plain_steps += 1
             stats.emitted += 1
-            stats.from_draft += from_draft
             stats.decode_seconds = time.perf_counter() - decode_start
-            yield tok, from_draft
-        left -= len(emitted)
-        if emitted[-1] in stop:
-            return
+            yield tok, False
+            if tok in stop or nxt is None:
+                return
+            y = nxt
+    finally:
+        # Tokens fed ahead of what was handed out leave the cache: it holds all but the last.
+        if fed > emitted:
+            cache.trim(fed - emitted)
 
 
 @dataclasses.dataclass

@@ -79,3 +79,20 @@ def test_sampling_is_reproducible_with_seed_and_mtp_can_be_off():
     stats = Stats()
     off = generate_tokens(target, prompt, sampling=s, **{**kw, "draft_tokens": 0}, stats=stats)
     assert len(list(off)) == 30 and stats.rounds == 0 and stats.plain_steps == 29
+
+
+@pytest.mark.parametrize("drafter_kind", ["none", "random", "oracle"])
+@pytest.mark.parametrize("stop_after", [1, 5, 30])
+def test_cache_holds_every_token_but_the_last(drafter_kind, stop_after):
+    """The invariant multi-turn reuse relies on, also when the caller stops early."""
+    target, prompt = tiny_target("dense"), reference("dense")["prompt"].tolist()
+    drafter = {"none": None, "random": tiny_drafter("dense"),
+               "oracle": OracleDrafter(target, 20, plain("dense"), 0.8)}[drafter_kind]
+    cache = target.make_cache(max_rollback=7)
+    seen = []
+    for token, _ in generate_tokens(target, prompt, drafter=drafter, draft_tokens=4, cache=cache, max_tokens=40):
+        seen.append(token)
+        if len(seen) == stop_after:
+            break
+    assert int(cache.offset[0]) == len(prompt) + len(seen) - 1
+    assert seen == plain("dense")[:stop_after]
