@@ -38,7 +38,7 @@ class _Track:
         self.length = 0  # slots in use (shared by all rows)
         # Per row: every position below this has been evicted (sliding tracks only).
         self.evicted = np.zeros(batch_size, dtype=np.int64)
-        self.holes = False  # True after a ragged rollback left -1 slots inside rows
+        self.holes = False  # True when -1 slots (padding, ragged rollback) lie inside the used slots
 
     @property
     def capacity(self) -> int:
@@ -77,7 +77,7 @@ class KVCache:
         self.keys: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.values: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.offset = np.zeros(batch_size, dtype=np.int64)  # next position of each row
-        self._begun = 0  # tokens reserved by begin() and not yet written by every layer
+        self._unmasked = False
 
     @property
     def batch_size(self) -> int:
@@ -105,9 +105,18 @@ class KVCache:
             self._reserve(track, length)
             track.pos[:, track.length : track.length + length] = qpos_mx
             track.length += length
+            track.holes = track.holes or bool(pad_np.any())
         self.offset = self.offset + (length - pad_np)
-        self._begun = length
+        # One token of one row over hole-free slots: no mask needed (sliding layers get a
+        # window-sized view instead), which keeps plain decoding cheap.
+        self._unmasked = length == 1 and self.batch_size == 1 and not any(
+            t.holes for t in self.tracks.values())
         return qpos_mx, mx.array(start.astype(np.int32))
+
+    def attention_mask(self, layer_type: str, qpos: mx.array) -> Optional[mx.array]:
+        """The mask for this forward's attention: None when `update` returns exactly the
+        visible slots (one query, no holes), else `mask`."""
+        return None if self._unmasked else self.mask(layer_type, qpos)
 
     def mask(self, layer_type: str, qpos: mx.array) -> mx.array:
         """Boolean (B, 1, L, T) mask for queries at `qpos` over this type's slots."""
@@ -128,7 +137,8 @@ class KVCache:
         buf_k[..., begin:end, :] = keys
         buf_v[..., begin:end, :] = values
         self.keys[layer], self.values[layer] = buf_k, buf_v
-        return buf_k[..., :end, :], buf_v[..., :end, :]
+        first = max(0, end - track.window) if self._unmasked and track.window else 0
+        return buf_k[..., first:end, :], buf_v[..., first:end, :]
 
     def shared_kv(self, layer: int) -> SharedKV:
         """Zero-copy view of `layer`'s K/V and slot positions (what the drafter reads)."""
@@ -265,7 +275,7 @@ class KVCache:
         pos = mx.where(pad, -1, pos) if not contiguous else pos
         track.pos = mx.concatenate([pos, mx.full((B, capacity - kept), -1, dtype=mx.int32)], axis=1)
         track.length = kept
-        track.holes = False
+        track.holes = bool((index < 0).any())
         for i, kind in enumerate(self.layer_types):
             if self.tracks[kind] is not track or self.keys[i] is None:
                 continue

@@ -230,6 +230,11 @@ class MLP(nn.Module):
         return self.down_proj(gelu_tanh_glu(self.gate_proj(x), self.up_proj(x)))
 
 
+# Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
+# its (B, L, top_k) expert ids, in layer order. None (the default) records nothing.
+ROUTER_RECORD: Optional[list] = None
+
+
 class Router(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -245,6 +250,8 @@ class Router(nn.Module):
         idx = mx.argpartition(-scores, self.top_k - 1, axis=-1)[..., : self.top_k]
         # softmax over the top-k scores == softmax, top-k, renormalise
         weights = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1)
+        if ROUTER_RECORD is not None:
+            ROUTER_RECORD.append(idx)
         return idx, weights * self.per_expert_scale[idx]
 
 
@@ -346,7 +353,7 @@ class TextModel(nn.Module):
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
         qpos, offset = cache.begin(ids.shape[1], pad)
-        masks = {t: cache.mask(t, qpos) for t in (SLIDING, FULL)}
+        masks = {t: cache.attention_mask(t, qpos) for t in (SLIDING, FULL)}
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
         for i, layer in enumerate(self.layers):
             src = cfg.kv_source(i)
