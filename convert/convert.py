@@ -19,14 +19,14 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import save_config
 
 from mlx_mtp import quantize as q
-from mlx_mtp.loading import WeightsError, load_model, read_config, resolve
+from mlx_mtp.loading import WeightsError, build_model, cast_floats, load_model, read_config, resolve
 from mlx_mtp.models import model_module
 from mlx_mtp.models.gemma4 import Config as TextConfig
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-TARGET_TYPES = ("gemma4", "gemma4_text")
 DRAFTER_TYPE = "gemma4_assistant"
 EXTRA_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -35,9 +35,8 @@ EXTRA_FILES = (
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's MAX_FILE_SIZE_GB
 
 
-def convert(
+def plan(
     source: Union[str, Path],
-    output: Union[str, Path],
     *,
     dtype: str = "bfloat16",
     quantize: bool = False,
@@ -46,9 +45,58 @@ def convert(
     mode: str = "affine",
     preset: Optional[str] = None,
     quantize_drafter: bool = False,
+    shapes_only: bool = False,
+    progress: bool = True,
+) -> tuple[Path, dict[str, Any], dict[str, mx.array]]:
+    """Load `source` lazily and cast / quantize it, evaluating nothing.
+
+    With `shapes_only` the model is built from config.json alone (no weight files are read),
+    which is enough to see the output's tensors, sizes and quantization record.
+
+    Returns:
+        (resolved source, output config, tensors under the names they are saved with).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    src = resolve(source)
+    model_type = read_config(src).get("model_type")
+    module = model_module(model_type)  # unknown types fail here, before anything is written
+    if model_type == DRAFTER_TYPE:
+        if quantize and not quantize_drafter:
+            _say("drafter kept unquantized (pass --quantize-drafter to quantize it)", progress)
+        quantize = quantize_drafter
+    elif not quantize and (bits or group_size or preset or mode != "affine"):
+        raise ValueError("--bits/--group-size/--mode/--preset need --quantize (-q)")
+    if quantize:
+        q.base_params(bits, group_size, mode)  # bad settings fail before any work
+
+    if shapes_only:
+        config = read_config(src)
+        model = build_model(config)
+        cast_floats(model, DTYPES[dtype])
+    else:
+        model, config, _ = load_model(src, dtype=DTYPES[dtype], lazy=True)
+    config = output_config(config, model, dtype)
+    if quantize:
+        config = q.quantize(model, config, bits=bits, group_size=group_size, mode=mode, preset=preset)
+    prefix = "language_model." if model_type == "gemma4" else ""
+    if "quantization" in config:
+        config["quantization"] = _record_names(config["quantization"], module, prefix)
+    config.pop("quantization_config", None)  # save_config writes it back from `quantization`
+
+    weights = {prefix + k: v for k, v in tree_flatten(model.parameters())}
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the caller owns the arrays now
+    return src, config, weights
+
+
+def convert(
+    source: Union[str, Path],
+    output: Union[str, Path],
+    *,
     max_shard_gb: float = DEFAULT_SHARD_GB,
     force: bool = False,
     progress: bool = True,
+    **options,
 ) -> Path:
     """Convert `source` into the MLX directory `output`.
 
@@ -57,11 +105,10 @@ def convert(
             `gemma4_assistant` drafter.
         output: directory to create; it is written to a temporary sibling and renamed
             into place only when complete.
-        dtype: floating-point dtype of everything left unquantized.
-        quantize: quantize the target (`bits`, `group_size`, `mode`, `preset`); a drafter is
-            quantized only with `quantize_drafter` as well.
         max_shard_gb: largest output shard (also about the peak memory).
         force: replace an existing `output`.
+        options: `plan`'s: `dtype` of everything left unquantized; `quantize` with `bits`,
+            `group_size`, `mode`, `preset`; a drafter is quantized only with `quantize_drafter`.
 
     Returns:
         The output path.
@@ -69,39 +116,9 @@ def convert(
     output = Path(output).expanduser().absolute()
     if output.exists() and not force:
         raise FileExistsError(f"{output} exists; pass --force to replace it")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if max_shard_gb <= 0:
         raise ValueError("max_shard_gb must be positive")
-    src = resolve(source)
-    model_type = read_config(src).get("model_type")
-    model_module(model_type)  # unknown types fail here, before anything is written
-    is_drafter = model_type == DRAFTER_TYPE
-    if quantize and is_drafter and not quantize_drafter:
-        _say("drafter kept unquantized (pass --quantize-drafter to quantize it)", progress)
-        quantize = False
-    elif quantize_drafter and is_drafter:
-        quantize = True
-    if not quantize and (bits is not None or group_size is not None or preset is not None or mode != "affine"):
-        if not is_drafter:
-            raise ValueError("--bits/--group-size/--mode/--preset need --quantize (-q)")
-    if quantize:
-        q.base_params(bits, group_size, mode)  # bad settings fail before any work
-
-    model, config, _ = load_model(src, dtype=DTYPES[dtype], lazy=True)
-    config = output_config(config, model, dtype)
-    if quantize:
-        config = q.quantize(model, config, bits=bits, group_size=group_size, mode=mode, preset=preset)
-    prefix = "language_model." if model_type == "gemma4" else ""
-    if prefix and "quantization" in config:
-        config["quantization"] = {
-            (prefix + k if isinstance(v, (dict, bool)) else k): v for k, v in config["quantization"].items()
-        }
-    config.pop("quantization_config", None)  # save_config writes it back from `quantization`
-
-    weights = {prefix + k: v for k, v in tree_flatten(model.parameters())}
-    model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the shards own the arrays now
-    del model
+    src, config, weights = plan(source, progress=progress, **options)
 
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -109,8 +126,6 @@ def convert(
     tmp.mkdir()
     try:
         write_weights(tmp, weights, int(max_shard_gb * (1 << 30)), progress)
-        from mlx_lm.utils import save_config
-
         save_config(config, tmp / "config.json")
         for name in EXTRA_FILES:
             if (src / name).is_file():
@@ -122,6 +137,21 @@ def convert(
             raise WeightsError(f"cannot read {src}: {e}") from e
         raise
     return output
+
+
+def summary(config: dict[str, Any], weights: dict[str, mx.array]) -> str:
+    """What a conversion would write: tensor count, bytes, and the quantization record."""
+    total = sum(v.nbytes for v in weights.values())
+    lines = [f"{len(weights)} tensors, {total / 1e9:.2f} GB, dtype {config.get('dtype')}"]
+    record = config.get("quantization")
+    if record:
+        overrides = {k: v for k, v in record.items() if isinstance(v, (dict, bool))}
+        base = {k: v for k, v in record.items() if k not in overrides}
+        lines.append(f"quantization {base}, {len(overrides)} per-layer overrides")
+        lines += [f"  {k}: {v}" for k, v in list(overrides.items())[:8]]
+        if len(overrides) > 8:
+            lines.append(f"  ... {len(overrides) - 8} more")
+    return "\n".join(lines)
 
 
 def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
@@ -147,6 +177,20 @@ def _released_text_config(text: dict[str, Any], cfg: TextConfig) -> None:
     text["layer_types"] = list(cfg.layer_types)
 
 
+def _record_names(record: dict[str, Any], module, prefix: str) -> dict[str, Any]:
+    """Per-path entries of a quantization record under the names the weights are saved with."""
+    rename = getattr(module, "rename", None) or (lambda k: k)
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, (dict, bool)):
+            name = rename(key + ".weight")
+            if name is None:
+                continue
+            key = prefix + name[: -len(".weight")]
+        out[key] = value
+    return out
+
+
 def plan_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
     """Split into shards of at most `max_bytes` (a bigger tensor gets a shard of its own)."""
     shards, size = [], 0
@@ -166,7 +210,8 @@ def write_weights(path: Path, weights: dict[str, mx.array], max_bytes: int, prog
     total = sum(v.nbytes for s in shards for v in s.values())
     bar = Progress(total, progress)
     count = len(shards)
-    names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    names = names if count > 1 else ["model.safetensors"]
     weight_map = {}
     for i in range(count):
         shard, shards[i] = shards[i], None
@@ -235,7 +280,7 @@ def _say(msg: str, enabled: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx-mtp-convert",
-        description="Convert a Gemma 4 target (gemma4 / gemma4_text) or MTP drafter (gemma4_assistant) to MLX.",
+        description="Convert a Gemma 4 target (gemma4, gemma4_text) or drafter (gemma4_assistant) to MLX.",
     )
     p.add_argument("source", help="local Hugging Face directory or hub id")
     p.add_argument("output", help="MLX directory to create")
@@ -244,10 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, choices=q.BITS, help="bits per weight (affine; default 4)")
     p.add_argument("--group-size", type=int, choices=q.GROUP_SIZES, help="affine group size (default 64)")
     p.add_argument("--mode", default="affine", choices=("affine", *q.FIXED_MODES), help="quantization mode")
-    p.add_argument("--preset", choices=q.PRESETS, help="mixed recipe, e.g. mixed_4_8: first/last layers at 8 bits")
+    p.add_argument("--preset", choices=q.PRESETS, help="mixed recipe (mixed_4_8: first/last layers 8 bits)")
     p.add_argument("--quantize-drafter", action="store_true", help="quantize a gemma4_assistant drafter too")
     p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_GB, help="GB per output shard")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--dry-run", action="store_true", help="print what would be written")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -255,12 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     quantize = args.quantize or args.preset is not None
+    options = dict(
+        dtype=args.dtype, quantize=quantize, bits=args.bits, group_size=args.group_size, mode=args.mode,
+        preset=args.preset, quantize_drafter=args.quantize_drafter, progress=not args.quiet,
+    )
     try:
+        if args.dry_run:
+            _, config, weights = plan(args.source, shapes_only=True, **options)
+            print(summary(config, weights))
+            return 0
         out = convert(
-            args.source, args.output, dtype=args.dtype, quantize=quantize, bits=args.bits,
-            group_size=args.group_size, mode=args.mode, preset=args.preset,
-            quantize_drafter=args.quantize_drafter, max_shard_gb=args.max_shard_size,
-            force=args.force, progress=not args.quiet,
+            args.source, args.output, max_shard_gb=args.max_shard_size, force=args.force, **options
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"mlx-mtp-convert: error: {e}", file=sys.stderr)

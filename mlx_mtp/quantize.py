@@ -32,7 +32,8 @@ def available_modes() -> tuple[str, ...]:
 def base_params(bits: Optional[int], group_size: Optional[int], mode: str = "affine") -> dict[str, Any]:
     """Validated defaults for one quantization run (None picks the mode's default)."""
     if mode not in available_modes():
-        raise ValueError(f"quantization mode {mode!r} unavailable (this MLX has: {', '.join(available_modes())})")
+        have = ", ".join(available_modes())
+        raise ValueError(f"quantization mode {mode!r} unavailable (this MLX has: {have})")
     if mode in FIXED_MODES:
         fixed_gs, fixed_bits = FIXED_MODES[mode]
         if group_size not in (None, fixed_gs) or bits not in (None, fixed_bits):
@@ -53,7 +54,8 @@ def _layer_index(path: str) -> Optional[int]:
 
 
 def recipe(model: nn.Module, params: dict[str, Any], preset: Optional[str] = None) -> Callable:
-    """The per-layer predicate: the model's own default (MoE router at 8 bits), then the preset.
+    """The per-layer predicate: the model's own default (`quant_predicate`: e.g. the MoE router
+    at 8 bits), then the preset.
 
     Returns full parameter dicts (mode included) for every override so that the saved record
     needs no defaults to be read back.
@@ -67,10 +69,18 @@ def recipe(model: nn.Module, params: dict[str, Any], preset: Optional[str] = Non
     last = len(getattr(getattr(model, "model", None), "layers", [])) - 1
     high = {**params, "bits": 8}
 
+    def fit(choice: dict, module: nn.Module):
+        """An override whose group size does not divide the input dim falls back to the run's."""
+        dim = module.weight.shape[-1]
+        for group_size in (choice["group_size"], params["group_size"]):
+            if dim % group_size == 0:
+                return {**choice, "group_size": group_size}
+        return False
+
     def predicate(path: str, module: nn.Module):
         choice = default(path, module)
         if isinstance(choice, dict):
-            return {"mode": "affine", **choice}
+            return fit({"mode": "affine", **choice}, module)
         if choice and preset == "mixed_4_8" and _layer_index(path) in (0, last):
             return dict(high)
         return choice

@@ -436,10 +436,12 @@ class Model(nn.Module):
             out[key] = value
         return out
 
-    @staticmethod
-    def quant_predicate(path: str, module: nn.Module):
-        """Default recipe: the MoE router stays at 8 bits; norms and scalars are not modules."""
+    def quant_predicate(self, path: str, module: nn.Module):
+        """Default recipe: the MoE router, and the MoE layers' small always-on dense MLP, stay
+        at 8 bits (as mlx-community's 26B-A4B conversion); norms and scalars are not modules."""
         if path.endswith("router.proj"):
+            return {"group_size": 64, "bits": 8}
+        if self.config.enable_moe_block and re.search(r"layers\.\d+\.mlp\.(gate|up|down)_proj$", path):
             return {"group_size": 64, "bits": 8}
         return True
 

@@ -1,0 +1,400 @@
+"""`python -m convert`: tiny checkpoints round-trip through the converter and load again."""
+
+import importlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import TINY, reference, tiny_drafter, tiny_target
+
+from convert import convert, main
+from mlx_mtp.generate import generate_tokens
+from mlx_mtp.loading import WeightsError, load_model
+from mlx_mtp.models.base import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = {
+    "dense": TINY / "dense" / "target",
+    "moe": TINY / "moe" / "target",
+    "e2b": TINY / "e2b" / "target",
+    "wrapper": TINY / "dense" / "wrapper",
+}
+# bits -> bounds on (max |logit diff|, top-1 agreement). The tiny fixtures are chaotic (0.3%
+# multiplicative weight noise moves logits by ~1.5), so these are loose; exactness against the
+# same quantization done in memory is the sharp check.
+BOUNDS = {8: (3.0, 0.7), 4: (8.0, 0.1)}
+
+
+def ref_variant(name):
+    return "dense" if name == "wrapper" else name
+
+
+def prompt(name):
+    return mx.array(reference(ref_variant(name))["prompt"][None])
+
+
+def logits(model, name):
+    return np.array(model(prompt(name)).logits[0].astype(mx.float32))
+
+
+def greedy(model, name, n=32):
+    ids = reference(ref_variant(name))["prompt"].tolist()
+    return [t for t, _ in generate_tokens(model, ids, max_tokens=n)]
+
+
+def quantized_in_memory(name, **kw):
+    import copy
+
+    from mlx_mtp.quantize import quantize
+
+    model = copy.deepcopy(tiny_target(ref_variant(name)))
+    quantize(model, {}, **kw)
+    return model
+
+
+def run(src, out, **kw):
+    return load_model(convert(src, out, progress=False, **kw))
+
+
+def no_leftovers(parent: Path):
+    return not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_float32_conversion_is_exact(tmp_path, name):
+    model, config, _ = run(SOURCES[name], tmp_path / "out", dtype="float32")
+    ref = tiny_target(ref_variant(name))
+    assert np.array_equal(logits(model, name), logits(ref, name))
+    assert "quantization" not in config and "per_layer_config" not in json.dumps(config)
+    assert config["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_bfloat16_conversion_equals_bfloat16_load(tmp_path, name):
+    from mlx.utils import tree_flatten
+
+    model, _, _ = run(SOURCES[name], tmp_path / "out")
+    ref, _, _ = load_model(SOURCES[name], dtype=mx.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    ours, theirs = dict(tree_flatten(model.parameters())), dict(tree_flatten(ref.parameters()))
+    assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    if name == "dense":  # CPU gather_mm (MoE) is float32-only
+        assert np.array_equal(logits(model, name), logits(ref, name))
+
+
+def test_wrapper_uses_mlx_lm_names(tmp_path):
+    out = convert(SOURCES["wrapper"], tmp_path / "out", quantize=True, group_size=32, progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert all(k.startswith("language_model.model.") for k in index["weight_map"])
+    assert not any("vision" in k for k in index["weight_map"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma4" and "vision_config" not in config
+    assert config["vocab_size"] == config["text_config"]["vocab_size"] == 128
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_target_error_is_bounded(tmp_path, name, bits):
+    kw = dict(dtype="float32", quantize=True, bits=bits, group_size=32)
+    model, config, _ = run(SOURCES[name], tmp_path / "out", **kw)
+    assert config["quantization"]["bits"] == bits
+    ref = tiny_target(ref_variant(name))
+    ql, rl = logits(model, name), logits(ref, name)
+    diff = float(np.abs(ql - rl).max())
+    top1 = float((ql.argmax(-1) == rl.argmax(-1)).mean())
+    g = float(np.mean(np.array(greedy(model, name)) == np.array(greedy(ref, name))))
+    print(f"\n[convert-metrics] {name} {bits}-bit: max|dlogit|={diff:.4f} top1={top1:.3f} greedy32={g:.3f}")
+    assert np.array_equal(ql, logits(quantized_in_memory(name, bits=bits, group_size=32), name))
+    max_diff, min_top1 = BOUNDS[bits]
+    assert diff < max_diff and top1 >= min_top1
+
+
+def test_moe_router_stays_at_8_bits(tmp_path):
+    _, config, _ = run(SOURCES["moe"], tmp_path / "out", quantize=True, bits=4, group_size=32)
+    record = config["quantization"]
+    routers = {k: v for k, v in record.items() if k.endswith("router.proj")}
+    assert len(routers) == 6 and all(v["bits"] == 8 for v in routers.values())
+    assert config["quantization_config"] == record  # the HF-tree copy mlx-lm also writes
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
+def test_microscaling_modes(tmp_path, mode):
+    from mlx_mtp.quantize import FIXED_MODES, available_modes
+
+    if mode not in available_modes():
+        pytest.skip(f"{mode} not in this MLX")
+    model, config, _ = run(SOURCES["dense"], tmp_path / "out", dtype="float32", quantize=True, mode=mode)
+    group_size, bits = FIXED_MODES[mode]
+    assert {k: config["quantization"][k] for k in ("group_size", "bits", "mode")} == {
+        "group_size": group_size, "bits": bits, "mode": mode,
+    }
+    diff = float(np.abs(logits(model, "dense") - logits(tiny_target("dense"), "dense")).max())
+    print(f"\n[convert-metrics] dense {mode}: max|dlogit|={diff:.4f}")
+    assert diff < 8.0
+    assert np.array_equal(logits(model, "dense"), logits(quantized_in_memory("dense", mode=mode), "dense"))
+    with pytest.raises(ValueError, match="fixes group_size"):
+        convert(SOURCES["dense"], tmp_path / "x", quantize=True, mode=mode, group_size=128, progress=False)
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_group_sizes(tmp_path, group_size):
+    kw = dict(dtype="float32", quantize=True, bits=8, group_size=group_size)
+    model, config, _ = run(SOURCES["dense"], tmp_path / "out", **kw)
+    assert config["quantization"]["group_size"] == group_size
+    ql = logits(model, "dense")
+    assert float(np.abs(ql - logits(tiny_target("dense"), "dense")).max()) < BOUNDS[8][0]
+    assert np.array_equal(ql, logits(quantized_in_memory("dense", bits=8, group_size=group_size), "dense"))
+
+
+def test_preset_mixed_4_8(tmp_path):
+    _, config, _ = run(SOURCES["dense"], tmp_path / "out", preset="mixed_4_8", quantize=True, group_size=32)
+    record = config["quantization"]
+    assert record["bits"] == 4
+    eights = {k for k, v in record.items() if isinstance(v, dict) and v["bits"] == 8}
+    assert eights and all(k.startswith(("model.layers.0.", "model.layers.5.")) for k in eights)
+    assert "model.layers.5.mlp.down_proj" in eights
+
+
+@pytest.mark.parametrize("variant", ["dense", "e2b"])  # e2b: centroid head
+def test_drafter_conversion(tmp_path, variant):
+    src = TINY / variant / "drafter"
+    ref, target, r = tiny_drafter(variant), tiny_target(variant), reference(variant)
+    token = target.embed(mx.array([[int(r["greedy"][0])]]))[:, 0]
+    hidden = mx.array(r["hidden_exact"][-1:])
+    kv = target(prompt(variant)).shared_kv
+    position = mx.array([20], dtype=mx.int32)
+    want = ref.draft_step(token, hidden, kv, position)
+
+    # -q alone leaves a drafter unquantized; --quantize-drafter quantizes it
+    plain, config, _ = run(src, tmp_path / "fp32", dtype="float32", quantize=True)
+    assert "quantization" not in config
+    got = plain.draft_step(token, hidden, kv, position)
+    assert np.array_equal(np.array(got.logits), np.array(want.logits))
+
+    kw = dict(dtype="float32", quantize_drafter=True, bits=8, group_size=32)
+    quant, config, _ = run(src, tmp_path / "q8", **kw)
+    assert config["quantization"]["bits"] == 8 and "scales" in quant.model.embed_tokens
+    got = quant.draft_step(token, hidden, kv, position)
+    if variant == "e2b":
+        order = quant.masked_embedding.token_ordering
+        assert order.dtype == mx.int32 and mx.array_equal(order, ref.masked_embedding.token_ordering).item()
+        assert "scales" in quant.masked_embedding.centroids
+        assert np.array_equal(np.array(got.token_ids), np.array(want.token_ids))
+    diff = float(np.abs(np.array(got.logits) - np.array(want.logits)).max())
+    print(f"\n[convert-metrics] {variant} drafter 8-bit gs32: max|dlogit| first draft step={diff:.4f}")
+    assert diff < 0.2 and int(got.argmax().item()) == int(want.argmax().item())
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "e2b", "wrapper"])
+def test_mlx_lm_loads_conversion(tmp_path, name):
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    for kw in ({"dtype": "float32"}, {"dtype": "float32", "quantize": True, "bits": 4, "group_size": 32}):
+        out = tmp_path / str(len(kw))
+        ours = run(SOURCES[name], out, **kw)[0]
+        theirs, _ = mlx_lm_load_model(out)
+        diff = np.abs(np.array(theirs(prompt(name))[0]) - logits(ours, name)).max()
+        assert diff < 1e-4, (kw, diff)
+
+
+def test_tokenizer_files_copied(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["dense"], src)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (src / f).write_text("{}")
+    (src / "tokenizer.model").write_bytes(b"\0sp")
+    (src / "notes.txt").write_text("not copied")
+    out = convert(src, tmp_path / "out", progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer.model", "chat_template.jinja", "generation_config.json"} <= names
+    assert "notes.txt" not in names
+
+
+# ---- bad input: a clear error and nothing left behind --------------------------------------
+
+
+def _expect_failure(tmp_path, src, exc, match):
+    out = tmp_path / "out"
+    with pytest.raises(exc, match=match):
+        convert(src, out, progress=False)
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_missing_shard(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["moe"], src)
+    (src / "model-00003-of-00004.safetensors").unlink()
+    _expect_failure(tmp_path, src, WeightsError, "missing shard")
+
+
+def test_truncated_safetensors(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["dense"], src)
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _expect_failure(tmp_path, src, WeightsError, "model.safetensors")
+
+
+def test_unknown_model_type(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SOURCES["dense"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    _expect_failure(tmp_path, src, ConfigError, "unsupported model_type 'llama'")
+
+
+def test_existing_output_needs_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(FileExistsError, match="--force"):
+        convert(SOURCES["dense"], out, progress=False)
+    assert (out / "keep").exists()
+    assert main([str(SOURCES["dense"]), str(out), "--quiet"]) == 1
+    convert(SOURCES["dense"], out, force=True, progress=False)
+    assert not (out / "keep").exists() and (out / "config.json").exists() and no_leftovers(tmp_path)
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
+    cc = importlib.import_module("convert.convert")  # the package's `convert` is the function
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cc, "_move_into_place", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(SOURCES["dense"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and no_leftovers(tmp_path)
+
+
+def test_cli(tmp_path):
+    out = tmp_path / "out"
+    assert main([str(SOURCES["e2b"]), str(out), "-q", "--bits", "8", "--group-size", "32", "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    assert main([str(SOURCES["dense"]), str(tmp_path / "o2"), "--bits", "8", "--quiet"]) == 1  # needs -q
+
+
+# ---- bounded memory ------------------------------------------------------------------------
+
+MEASURE = (
+    "import resource, subprocess, sys, time; t = time.time(); "
+    "rc = subprocess.call(sys.argv[1:]); "
+    "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.time() - t)"
+)
+
+
+def _measure(cmd):
+    """(peak RSS bytes, seconds) of `cmd` in a fresh process tree."""
+    cmd = [sys.executable, "-c", MEASURE, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    rc, kb, secs = out.stdout.split()[-3:]
+    assert rc == "0", out.stderr
+    return int(kb) * 1024, float(secs)
+
+
+def synthetic_checkpoint(path: Path) -> list[int]:
+    """A gemma4_text checkpoint of ~0.95 GB fp32 in 5 shards; returns the shard sizes."""
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.models import gemma4
+
+    config = {
+        "model_type": "gemma4_text", "vocab_size": 16384, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "global_head_dim": 256, "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "sliding_window": 512,
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    shapes = {k: v.shape for k, v in tree_flatten(gemma4.Model(gemma4.Config.from_dict(config)).parameters())}
+    groups = {}
+    for key in shapes:
+        layer = key.split(".")[2] if key.startswith("model.layers.") else "rest"
+        groups.setdefault(layer, []).append(key)
+    weight_map, sizes = {}, []
+    for i, (_, keys) in enumerate(sorted(groups.items())):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {k: mx.random.uniform(-0.03, 0.03, shapes[k]) for k in keys}
+        mx.save_safetensors(str(path / name), shard)
+        sizes.append((path / name).stat().st_size)
+        weight_map.update(dict.fromkeys(keys, name))
+        del shard
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return sizes
+
+
+@pytest.mark.slow
+def test_peak_memory_is_about_one_shard(tmp_path):
+    sizes = synthetic_checkpoint(tmp_path / "src")
+    baseline, _ = _measure([sys.executable, "-c", "import mlx.core, mlx_mtp.loading, convert"])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "convert", str(tmp_path / "src"), str(out), "--quiet"]
+    cmd += ["--max-shard-size", "0.2"]
+    peak, secs = _measure(cmd)
+    total = sum(sizes)
+    print(
+        f"\n[convert-metrics] {total / 1e9:.2f} GB fp32 -> bf16, "
+        f"shards {[round(s / 1e6) for s in sizes]} MB: peak RSS {peak / 1e6:.0f} MB "
+        f"(baseline {baseline / 1e6:.0f} MB, largest shard {max(sizes) / 1e6:.0f} MB), "
+        f"{secs:.1f}s, {total / 1e9 / secs * 60:.2f} GB/min"
+    )
+    assert peak < 1.5 * max(sizes) + baseline
+    model, _, _ = load_model(out, lazy=True)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
+
+
+def test_hub_id_goes_through_resolve(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None):
+        asked.append((repo_id, allow_patterns))
+        return str(SOURCES["e2b"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, _, _ = run("google/gemma-4-tiny-test", tmp_path / "out", dtype="float32")
+    assert asked and asked[0][0] == "google/gemma-4-tiny-test" and "*.jinja" in asked[0][1]
+    assert np.array_equal(logits(model, "e2b"), logits(tiny_target("e2b"), "e2b"))
+
+
+def test_reconverting_an_mlx_conversion_is_lossless(tmp_path):
+    kw = dict(quantize=True, group_size=32, preset="mixed_4_8", progress=False)
+    first = convert(SOURCES["wrapper"], tmp_path / "a", **kw)
+    again = convert(first, tmp_path / "b", progress=False)
+    assert json.loads((first / "config.json").read_text()) == json.loads((again / "config.json").read_text())
+    a, b = load_model(first)[0], load_model(again)[0]
+    assert np.array_equal(logits(a, "wrapper"), logits(b, "wrapper"))
+    with pytest.raises(ValueError, match="already quantized"):
+        convert(first, tmp_path / "c", quantize=True, progress=False)
+    assert not (tmp_path / "c").exists() and no_leftovers(tmp_path)
+
+
+# ---- real released configs, shapes only (no weights) -----------------------------------------
+
+REAL = Path(__file__).parent / "fixtures" / "real_configs"
+
+
+@pytest.mark.parametrize(
+    "google, community",
+    [("gemma-4-26B-A4B-it", "gemma-4-26b-a4b-it-4bit"), ("gemma-4-E2B-it", "gemma-4-e2b-it-4bit")],
+)
+def test_default_4bit_recipe_matches_mlx_community(google, community):
+    from convert.convert import plan
+
+    def normal(record):
+        return {k: {"mode": "affine", **v} if isinstance(v, dict) else v for k, v in record.items()}
+
+    _, config, weights = plan(REAL / f"google--{google}", quantize=True, shapes_only=True, progress=False)
+    theirs = json.loads((REAL / f"mlx-community--{community}" / "config.json").read_text())["quantization"]
+    assert normal(config["quantization"]) == normal(theirs)
+    assert all(k.startswith("language_model.model.") for k in weights)
