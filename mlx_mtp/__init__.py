@@ -1,10 +1,12 @@
 """mlx_mtp: Gemma 4 with MTP speculative decoding on Apple MLX."""
 
 from . import generate as generate_module
+from .conversation import Conversation
+from .engine import Engine, Request, RequestHandle
 from .generate import ContextLengthError, Event, Result, generate, stream_generate
 from .loading import Loaded, load
 from .sample import SamplingParams
 from .stats import Stats
 
 __version__ = "0.1.0"
-__all__ = ["ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats"]
+__all__ = ["Conversation", "Engine", "Request", "RequestHandle", "ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats"]

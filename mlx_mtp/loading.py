@@ -180,7 +180,10 @@ def load(
     target, config, path = load_model(model, dtype=dtype)
     draft = None
     if drafter is not None:
-        draft = load_model(drafter, dtype=dtype)[0]
+        draft, draft_config, _ = load_model(drafter, dtype=dtype)
+        if draft_config.get("model_type") != "gemma4_assistant":
+            raise ValueError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP drafter "
+                             "(gemma4_assistant)")
         draft.check_target(target)
     return Loaded(target, load_tokenizer(path), draft, eos_ids(path, config))
 

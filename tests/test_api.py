@@ -47,3 +47,8 @@ def test_prompt_longer_than_context_is_a_clear_error(loaded):
 def test_text_prompt_without_tokenizer_is_a_clear_error(loaded):
     with pytest.raises(ValueError, match="needs a tokenizer"):
         mlx_mtp.generate(loaded, "hello")
+
+
+def test_target_passed_as_drafter_is_a_clear_error():
+    with pytest.raises(ValueError, match="not an MTP drafter"):
+        mlx_mtp.load(TINY / "dense" / "target", TINY / "dense" / "target")

@@ -1,0 +1,72 @@
+"""`python -m mlx_mtp.chat` driven through pipes, as a script or CI would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from chat_helpers import DRAFTER, TINY, make_chat_model
+
+import mlx_mtp
+from mlx_mtp import chat
+from mlx_mtp.conversation import Conversation
+
+ROOT = Path(mlx_mtp.__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_chat_model(tmp_path_factory.mktemp("cli") / "model")
+
+
+def run_chat(*args, stdin=""):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_mtp.chat", *map(str, args)], input=stdin, capture_output=True,
+        text=True, encoding="utf-8", env=env, timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return mlx_mtp.load(model_dir)
+
+
+def expected_replies(loaded, messages, max_tokens):
+    conv = Conversation(loaded, system="be kind")
+    return ["".join(e.text for e in conv.reply(m, max_tokens=max_tokens)) for m in messages]
+
+
+def test_one_prompt_prints_the_reply_and_a_stat_line(model_dir, loaded):
+    out = run_chat("--model", model_dir, "--drafter", DRAFTER, "--system", "be kind", "--prompt", "hello",
+                   "--max-tokens", 20, "--draft-tokens", 2)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected_replies(loaded, ["hello"], 20)[0] + "\n"
+    stat = out.stderr.strip().splitlines()[-1]
+    assert "tok/s" in stat and "first token" in stat and "acceptance length" in stat
+
+
+def test_a_scripted_session_over_stdin(model_dir, loaded):
+    script = "hello\n/stats\n/help\nmore please\n/reset\nhello\n"
+    out = run_chat("--model", model_dir, "--drafter", DRAFTER, "--system", "be kind", "--max-tokens", 16,
+                   stdin=script)
+    assert out.returncode == 0, out.stderr
+    first, second = expected_replies(loaded, ["hello", "more please"], 16)
+    assert "> " not in out.stdout  # no prompts without a terminal
+    assert out.stdout.startswith(first + "\n" + "last reply:")
+    assert "KV cache:" in out.stdout and "/reset" in out.stdout  # /stats, /help
+    assert f"\n{second}\n(new conversation)\n{first}\n" in out.stdout  # /reset starts over
+    assert sum(line.startswith("[") and "tok/s" in line for line in out.stderr.splitlines()) == 3
+
+
+def test_bad_model_or_drafter_exits_2_with_one_line(model_dir, capsys, monkeypatch):
+    out = run_chat("--model", model_dir / "missing", "--prompt", "x")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error:") and "missing" in out.stderr
+    assert chat.main(["--model", str(model_dir), "--drafter", str(TINY.parent / "e2b" / "drafter"),
+                      "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: drafter does not match")
+    monkeypatch.setitem(sys.modules, "mlx_mtp.demo", None)  # the demo pair not installed
+    assert chat.main(["--prompt", "x"]) == 2
+    assert "--model" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Conversation: multi-turn chat reusing one KV cache gives exactly what fresh prefills give."""
+
+import pytest
+from chat_helpers import DRAFTER, make_chat_model
+
+import mlx_mtp
+from mlx_mtp.conversation import Conversation
+
+HOT = mlx_mtp.SamplingParams(temperature=3.0)
+TURNS = ["hello there", "tell me a story about a cat", "why?", "go on"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return mlx_mtp.load(make_chat_model(tmp_path_factory.mktemp("chat") / "model"), DRAFTER)
+
+
+def fresh(loaded, messages, max_tokens):
+    """The reference: the whole rendered conversation prefilled into a new cache, plain decoding."""
+    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return mlx_mtp.generate(loaded, prompt, max_tokens=max_tokens, mtp=False).tokens
+
+
+def turn(conv, text, max_tokens=30, **kwargs):
+    """(reply tokens, reference tokens, tokens fed to the model) of one turn."""
+    expected = fresh(conv.loaded, [*conv.messages, {"role": "user", "content": text}], max_tokens)
+    events = list(conv.reply(text, max_tokens=max_tokens, draft_tokens=3, **kwargs))
+    assert cached(conv) == len(conv.tokens) - 1  # the invariant generate_tokens relies on
+    return [e.token for e in events], expected, events[-1].stats.prompt_tokens
+
+
+def cached(conv):
+    return int(conv.cache.offset[0])
+
+
+def test_turns_reuse_the_cache_and_match_fresh_prefills(loaded):
+    conv = Conversation(loaded, system="be brief")
+    for i, text in enumerate(TURNS):
+        before = len(conv.tokens)
+        got, expected, fed = turn(conv, text)
+        assert got == expected
+        rendered = conv.render(conv.messages)  # the conversation so far, next prompt included
+        assert conv.tokens == rendered[: len(conv.tokens)] or conv.tokens[-1] in loaded.eos_ids
+        if i:  # only the new turn's tokens (and the last cached one) are fed
+            assert fed == len(conv.tokens) - len(got) - before + 1
+            assert fed <= len(text) + 18  # <turn|>\n<|turn>user\n...<turn|>\n<|turn>model\n
+    assert len(conv.tokens) > 4 * 8  # well past the sliding window
+    assert [m["role"] for m in conv.messages] == ["system"] + ["user", "assistant"] * len(TURNS)
+
+
+def test_rerendered_history_rolls_back_or_prefills_again(loaded):
+    """A template whose rendering of a reply differs from the generated tokens (simulated by
+    editing the reply text) rolls the cache back to the common prefix, or prefills anew when
+    that lies beyond what the sliding window retains."""
+    conv = Conversation(loaded)
+    turn(conv, TURNS[0])
+    turn(conv, TURNS[1], max_tokens=40)
+    conv.messages[-1]["content"] = conv.messages[-1]["content"][:-2] + "!!"  # near the end: trim
+    got, expected, fed = turn(conv, TURNS[2])
+    assert got == expected and fed < 25
+    conv.messages[1]["content"] = "?" + conv.messages[1]["content"][1:]  # far back: re-prefill
+    prompt_len = len(conv.render([*conv.messages, {"role": "user", "content": TURNS[3]}]))
+    got, expected, fed = turn(conv, TURNS[3])
+    assert got == expected and fed == prompt_len
+
+
+def test_reset_and_a_prompt_too_long(loaded):
+    conv = Conversation(loaded, system="hi")
+    first, expected, _ = turn(conv, TURNS[0])
+    turn(conv, TURNS[1])
+    state = (list(conv.messages), list(conv.tokens))
+    with pytest.raises(mlx_mtp.ContextLengthError):
+        conv.reply("x" * 600)
+    assert (conv.messages, conv.tokens) == state  # nothing lost: the cache is still reused
+    got, expected, fed = turn(conv, TURNS[2])
+    assert got == expected and fed < 25
+    conv.reset()
+    assert conv.messages == [{"role": "system", "content": "hi"}] and conv.tokens == []
+    again, _, fed = turn(conv, TURNS[0])
+    assert again == first and fed == len(conv.tokens) - len(again)
+    events = list(conv.reply("y" * 400, max_tokens=100))  # a reply that fills the context stops there
+    assert events[-1].finish_reason in ("length", "stop") and len(conv.tokens) <= 512
+
+
+def test_a_reply_closed_early_is_kept_as_streamed(loaded):
+    conv = Conversation(loaded)
+    turn(conv, TURNS[0])
+    # Hot sampling gets drafts accepted: the round that gave the 3rd token went further.
+    stream = conv.reply(TURNS[1], max_tokens=30, draft_tokens=4, sampling=HOT, seed=0)
+    events = [next(stream) for _ in range(3)]
+    partial = [e.token for e in events]
+    assert events[-1].from_draft  # its round ran ahead of what was handed out
+    with pytest.raises(RuntimeError):
+        conv.reply("while streaming")
+    stream.close()
+    assert conv.tokens[-3:] == partial and cached(conv) == len(conv.tokens) - 1
+    assert conv.messages[-1] == {"role": "assistant", "content": loaded.tokenizer.decode(partial)}
+    got, expected, fed = turn(conv, TURNS[2])
+    assert got == expected and fed < 25

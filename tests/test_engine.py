@@ -1,0 +1,112 @@
+"""Engine: one worker thread serves requests from any thread, with cancellation and errors."""
+
+import threading
+
+import pytest
+from chat_helpers import DRAFTER, make_chat_model
+
+import mlx_mtp
+from mlx_mtp.conversation import Conversation
+from mlx_mtp.engine import Engine, Request
+
+WAIT = 60  # seconds any single event may take before a test fails instead of hanging
+SCRIPTS = [["hi", "and then?"], ["what is 2+2", "sure?"], ["tell me a joke", "another"]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return mlx_mtp.load(make_chat_model(tmp_path_factory.mktemp("engine") / "model"), DRAFTER)
+
+
+@pytest.fixture
+def engine(loaded):
+    with Engine(loaded) as engine:
+        yield engine
+    assert not engine.running
+
+
+def tokens_of(handle):
+    return list(handle.result(WAIT).tokens)
+
+
+def test_threads_on_different_conversations_get_single_threaded_outputs(loaded, engine):
+    expected = []
+    for i, script in enumerate(SCRIPTS):
+        conv = Conversation(loaded, system=f"bot {i}")
+        expected.append([[e.token for e in conv.reply(t, max_tokens=12, draft_tokens=2)] for t in script])
+    one_shot = mlx_mtp.generate(loaded, "abc", max_tokens=12).tokens
+    got, errors = [None] * len(SCRIPTS), []
+
+    def client(i):
+        try:
+            conv = engine.new_conversation(system=f"bot {i}")
+            got[i] = [tokens_of(engine.submit(Request(t, conversation=conv, max_tokens=12, draft_tokens=2)))
+                      for t in SCRIPTS[i]]
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(SCRIPTS))]
+    for t in threads:
+        t.start()
+    shot = engine.submit(Request("abc", max_tokens=12))
+    for t in threads:
+        t.join(WAIT)
+    assert not errors and got == expected
+    assert tokens_of(shot) == one_shot
+
+
+def test_cancel_mid_stream_keeps_the_partial_reply(loaded, engine):
+    conv = engine.new_conversation()
+    handle = engine.submit(Request("tell me everything", conversation=conv, max_tokens=200))
+    queued = engine.submit(Request("queued behind", conversation=conv, max_tokens=200))
+    queued.cancel()
+    events = []
+    for event in handle.events(WAIT):
+        events.append(event)
+        if len(events) == 3:
+            handle.cancel()
+    done = events[-1]
+    assert done.kind == "done" and done.finish_reason == "cancelled"
+    streamed = [e.token for e in events if e.kind == "token"]
+    assert len(streamed) >= 3 and list(done.tokens) == streamed
+    assert queued.result(WAIT).finish_reason == "cancelled"
+    # The partial reply is part of the conversation, as streamed; the next turn continues it.
+    messages = engine.messages(conv)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[-1]["content"] == loaded.tokenizer.decode(streamed)
+    reference = Conversation(loaded)
+    reference.messages[:] = messages
+    expected = [e.token for e in reference.reply("go on", max_tokens=10)]
+    assert tokens_of(engine.submit(Request("go on", conversation=conv, max_tokens=10))) == expected
+
+
+def test_errors_are_delivered_and_the_engine_goes_on(engine):
+    failed = engine.submit(Request(list(range(4, 100)) * 6, max_tokens=5))  # 576 > 512 tokens
+    events = list(failed.events(WAIT))
+    assert len(events) == 1 and events[0].kind == "error"
+    assert isinstance(events[0].error, mlx_mtp.ContextLengthError)
+    conv = engine.new_conversation()
+    with pytest.raises(mlx_mtp.ContextLengthError):
+        engine.submit(Request("x" * 600, conversation=conv)).result(WAIT)
+    with pytest.raises(ValueError):  # raised inside generation: the cache allows 7 tokens of rollback
+        engine.submit(Request("hi", conversation=conv, draft_tokens=10)).result(WAIT)
+    assert engine.messages(conv) == []
+    chat = Request(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    in_conversation = engine.submit(Request("hi", conversation=conv, max_tokens=5))
+    assert tokens_of(in_conversation) == tokens_of(engine.submit(chat))
+    with pytest.raises(ValueError):
+        engine.submit(Request())
+    engine.close_conversation(conv)
+    with pytest.raises(KeyError):
+        engine.submit(Request("hi", conversation=conv))
+
+
+def test_close_cancels_running_requests_and_joins(loaded):
+    engine = Engine(loaded)
+    handle = engine.submit(Request("long", max_tokens=400))
+    first = next(handle.events(WAIT))
+    assert first.kind == "token"
+    engine.close(timeout=WAIT)
+    assert not engine.running and handle.result(WAIT).finish_reason in ("cancelled", "stop")
+    with pytest.raises(RuntimeError):
+        engine.submit(Request("late"))
