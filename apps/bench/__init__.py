@@ -1,0 +1,10 @@
+"""`python -m apps.bench`: speed comparisons of mlx_mtp against mlx-lm on the same weights.
+
+Subcommands (see apps/README.md):
+  speed    ours plain / ours MTP (K sweep, auto) / mlx-lm generate / mlx-lm speculative,
+           B in {1,2,4,8}, prompt classes; markdown + JSON + PNG
+  oracle   controlled-acceptance drafter (the old apps/bench_mtp.py)
+  experts  MoE expert union per verify forward, and SwitchGLU's sorted-indices path
+  cost     released shapes with random weights: per-layer step cost vs tokens per forward,
+           drafter step cost, and a *projected* MTP speedup
+"""

@@ -1,0 +1,83 @@
+"""Where a benchmark ran: device, MLX version, BLAS preload, CPU model."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info() -> dict:
+    import mlx_lm
+
+    preload = os.environ.get("LD_PRELOAD", "")
+    info = {
+        "device": str(mx.default_device()),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "ld_preload": preload,
+        "mkl_preloaded": "mkl" in preload.lower(),
+    }
+    try:
+        if mx.metal.is_available():
+            info["gpu"] = mx.metal.device_info().get("device_name", "metal")
+    except Exception:
+        pass
+    return info
+
+
+def device_line(info: dict) -> str:
+    blas = "MKL preloaded" if info["mkl_preloaded"] else "no MKL preload (MLX's reference BLAS for fp32 matmul)"
+    gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
+    return (f"device {info['device']} ({info['cpu']}, {info['cpu_count']} cores{gpu}), {info['platform']}, "
+            f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, {blas}")
+
+
+def reset_peak() -> None:
+    try:
+        mx.reset_peak_memory()
+    except AttributeError:  # older MLX
+        mx.metal.reset_peak_memory()
+
+
+def peak_mb() -> float:
+    try:
+        return mx.get_peak_memory() / 2**20
+    except AttributeError:
+        return mx.metal.get_peak_memory() / 2**20
+
+
+def time_fn(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn()` (which must evaluate its own result) after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None

@@ -1,0 +1,139 @@
+"""Markdown tables, JSON and a PNG plot (matplotlib optional: `pip install -e '.[bench]'`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .env import device_line
+
+
+def fmt(x, spec=".2f", none="-"):
+    if x is None:
+        return none
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pivot(values: dict, ks, batches, title: str) -> str:
+    rows = []
+    for k in ks:
+        rows.append([f"K={k}"] + [fmt(values.get(f"{k}@{b}"), ".2f") + ("x" if values.get(f"{k}@{b}") else "")
+                                  for b in batches])
+    return table([title] + [f"B={b}" for b in batches], rows)
+
+
+def speed_md(res: dict) -> str:
+    out = [f"## Speed: {res['pair']} ({res['quantization']})", "",
+           f"Measured. {res['tokens']} new tokens per row, greedy, stop tokens ignored, warm-up excluded, "
+           f"median of {res['repeats']} interleaved repeats; speed-up = decode tok/s over ours-plain at the same B "
+           f"and prompt class, median of within-repeat ratios. B = 1 uses `generate_tokens`, B > 1 `BatchGenerator` "
+           f"(aggregate tok/s = all rows' tokens / wall, prefill included).", ""]
+    for note in res["notes"]:
+        out.append(f"- {note}")
+    if res["mismatches"]:
+        out += ["", "**OUTPUT MISMATCHES (ours vs plain greedy):**"] + [f"- **{m}**" for m in res["mismatches"]]
+    else:
+        out += ["- every ours-* output equals plain greedy decoding (checked per row, every run)"]
+    out += ["", "Speed-up of ours-mtp over ours-plain (geometric mean over prompt classes):", "",
+            pivot(res["summary"], res["draft_lengths"], res["batches"], "draft length"), ""]
+    header = ["class", "B", "mode", "decode tok/s", "speed-up", "aggregate tok/s", "prompt tok/s", "TTFT ms",
+              "accept. length", "per-position acceptance", "tokens/forward", "peak MB", "same output as"]
+    rows = []
+    for r in res["rows"]:
+        same = ("yes" if r["same_output"] else f"**no** (from token {r['first_divergence']})") + f" ({r['same_as']})"
+        rows.append([r["prompt_class"], r["batch"], r["mode"], fmt(r["decode_tps"], ".1f"),
+                     fmt(r["speedup_vs_ours_plain"]) + "x", fmt(r["aggregate_tps"], ".1f"), fmt(r["prompt_tps"], ".0f"),
+                     fmt(r["ttft_ms"], ".1f"), fmt(r["acceptance_length"]),
+                     " ".join(f"{a:.2f}" for a in r["acceptance_at"]) or "-", fmt(r["tokens_per_forward"]),
+                     fmt(r["peak_mb"], ".1f"), same])
+    out += [table(header, rows), ""]
+    return "\n".join(out)
+
+
+def oracle_md(res: dict) -> str:
+    out = [f"## Oracle drafter (controlled acceptance), tiny pairs", "",
+           f"Measured. {res['tokens']} tokens, oracle K={res['k']}, median of {res['repeats']} interleaved repeats. "
+           "oracle-P: the real drafter's cost, the target's true continuation proposed with probability P. "
+           "Tiny models are dispatch-bound: this shows the loop's overheads and gains, not real-model speed.", ""]
+    if res["mismatches"]:
+        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
+    rows = [[r["variant"], r["mode"], fmt(r["speedup_vs_plain"]) + "x", fmt(r["tokens_per_forward"]),
+             fmt(r["acceptance_length"]), " ".join(f"{a:.2f}" for a in r["acceptance_at"]) or "-",
+             r["mtp_rounds"], r["plain_steps"]] for r in res["rows"]]
+    out += [table(["variant", "mode", "speed vs plain", "tokens / target forward", "acceptance length",
+                   "per-position acceptance", "rounds", "plain steps"], rows), ""]
+    return "\n".join(out)
+
+
+def render(results: list[dict], info: dict) -> str:
+    parts = ["# mlx_mtp benchmark", "", device_line(info), ""]
+    for res in results:
+        if res["mode"] == "experts":
+            from .experts import experts_md as render_one
+        elif res["mode"] == "cost":
+            from .cost import cost_md as render_one
+        else:
+            render_one = {"speed": speed_md, "oracle": oracle_md}[res["mode"]]
+        parts.append(render_one(res))
+    return "\n".join(parts)
+
+
+def plot(results: list[dict], path: Path) -> Optional[str]:
+    """speed-up vs batch size and vs draft length; measured (speed) and projected (cost)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install -e '.[bench]'): no plot.png"
+    panels = []
+    for res in results:
+        if res["mode"] == "speed":
+            panels.append((f"measured: {res['pair']}", res["summary"], res["draft_lengths"], res["batches"]))
+        elif res["mode"] == "cost":
+            for shape in res["shapes"]:
+                panels.append((f"PROJECTION: {shape['shape']} ({shape['bits_label']})", shape["projection"]["speedup"],
+                               shape["projection"]["ks"], shape["projection"]["batches"]))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for (title, values, ks, batches), (ax1, ax2) in zip(panels, axes):
+        for k in ks:
+            ys = [values.get(f"{k}@{b}") for b in batches]
+            ax1.plot(batches, ys, marker="o", label=f"K={k}")
+        ax1.set_xscale("log", base=2)
+        ax1.set_xticks(batches, [str(b) for b in batches])
+        ax1.set(xlabel="batch size B", ylabel="speed-up vs plain (same B)", title=title)
+        xs = list(range(len(ks)))
+        for b in batches:
+            ax2.plot(xs, [values.get(f"{k}@{b}") for k in ks], marker="o", label=f"B={b}")
+        ax2.set_xticks(xs, [str(k) for k in ks])
+        ax2.set(xlabel="draft length K", ylabel="speed-up vs plain (same B)", title=title)
+        for ax in (ax1, ax2):
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write(results: list[dict], info: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    note = plot(results, out / "plot.png")
+    md = render(results, info)
+    if note:
+        md += f"\n_{note}_\n"
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(json.dumps({"environment": info, "results": results}, indent=1, default=str))
+    return md

@@ -1,0 +1,182 @@
+"""Train the demo target: a tiny transformers `Gemma4ForCausalLM` (`gemma4_text`) on the stdlib corpus.
+
+A genuine Hugging Face checkpoint (save_pretrained, fp32), later converted to MLX. The
+architecture is an E2B-like Gemma 4 in miniature, so the demo exercises the same code paths
+as the real small models: sliding/full layers [S, S, F, S, S, F] with a 128-token window,
+a wider global head (global_head_dim), proportional RoPE on full layers, per-layer
+embeddings (PLE), the last two layers KV-shared (store layers 3 = sliding, 2 = full), q/k/v
+norms, tied embeddings and a final logit softcap of 30.
+
+torch trains far faster than MLX on a Linux CPU (2 threads). Deterministic for a fixed seed
+on one machine (torch CPU kernels; results can differ in the last bits across CPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+S, F = "sliding_attention", "full_attention"
+
+
+def patch_kv_sharing_modes():
+    """transformers 5.23 `Gemma4TextConfig.kv_sharing_modes` workaround, as in
+    tests/reference/make_fixtures.py (which explains both bugs): (1) an all-shared config
+    (every `gemma4_assistant`) raises at construction; (2) an unshared target publishes no
+    "store" K/V. Our E2B-like target (0 < shared < layers) uses the original unchanged, but
+    the patch keeps the recipe safe if the config is changed to a dense (unshared) target,
+    and lets a drafter be built with transformers for cross-checks."""
+    from transformers import Gemma4TextConfig
+
+    if getattr(Gemma4TextConfig, "_mlx_mtp_patched", False):
+        return
+    orig = Gemma4TextConfig.kv_sharing_modes
+
+    def modes(self):
+        n, shared = self.num_hidden_layers, self.num_kv_shared_layers or 0
+        if n and shared >= n:
+            return ["reuse"] * n
+        if shared == 0:
+            out = [None] * n
+            for kind in set(self.layer_types):
+                out[max(i for i, t in enumerate(self.layer_types) if t == kind)] = "store"
+            return out
+        return orig.fget(self)
+
+    Gemma4TextConfig.kv_sharing_modes = property(modes)
+    Gemma4TextConfig._mlx_mtp_patched = True
+
+
+def target_config(vocab: int):
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        layer_types=[S, S, F, S, S, F],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        global_head_dim=128,
+        sliding_window=128,
+        max_position_embeddings=2048,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size_per_layer_input=32,
+        vocab_size_per_layer_input=vocab,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=False,
+        attention_k_eq_v=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_target(work: Path, out: Path, steps: int = 450, batch: int = 8, seq: int = 256,
+                 lr: float = 3e-3, seed: int = 0, threads: int = 2, log_every: int = 25,
+                 minutes: float | None = None) -> dict:
+    """`minutes` caps the wall time (the LR schedule still assumes `steps`): a run cut short
+    by it is no longer reproducible step-for-step, so the recipe's default is no cap."""
+    import torch
+    from transformers import Gemma4ForCausalLM, GenerationConfig
+
+    patch_kv_sharing_modes()
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    train = np.load(work / "train.npy").astype(np.int64)
+    val = np.load(work / "val.npy").astype(np.int64)
+    import sentencepiece as spm
+
+    vocab = spm.SentencePieceProcessor(model_file=str(work / "tokenizer.model")).get_piece_size()
+    model = Gemma4ForCausalLM._from_config(target_config(vocab), attn_implementation="sdpa")
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    other = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    print(f"target: {n_params / 1e6:.2f} M params, {steps} steps x {batch} x {seq} tokens", flush=True)
+
+    def batch_of(data, n, gen):
+        starts = gen.integers(0, len(data) - seq - 1, n)
+        x = torch.from_numpy(np.stack([data[s : s + seq + 1] for s in starts]))
+        return x[:, :-1], x[:, 1:]
+
+    t0, ema = time.time(), None
+    log = []
+    for step in range(steps):
+        if minutes is not None and time.time() - t0 > 60 * minutes:
+            print(f"stopping at step {step}: --minutes {minutes} reached", flush=True)
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        x, y = batch_of(train, batch, rng)
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            el = time.time() - t0
+            tps = (step + 1) * batch * seq / el
+            print(f"step {step + 1}/{steps} loss {loss.item():.3f} (ema {ema:.3f}) "
+                  f"lr {g['lr']:.2e} {tps:.0f} tok/s {el:.0f}s", flush=True)
+            log.append({"step": step + 1, "loss": round(loss.item(), 4), "ema": round(ema, 4)})
+    train_seconds = time.time() - t0
+
+    model.eval()
+    vgen = np.random.default_rng(12345)
+    with torch.no_grad():
+        losses = []
+        for _ in range(8):
+            x, y = batch_of(val, batch, vgen)
+            logits = model(input_ids=x).logits
+            losses.append(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item())
+    val_loss = float(np.mean(losses))
+    print(f"val loss {val_loss:.3f} nats/token; trained in {train_seconds:.0f}s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=2, pad_token_id=0, eos_token_id=[1]).save_pretrained(out)
+    info = {"params": n_params, "steps": steps, "steps_done": step + 1, "batch": batch, "seq": seq, "lr": lr, "seed": seed,
+            "train_seconds": round(train_seconds, 1), "final_train_loss_ema": round(ema, 4),
+            "val_loss": round(val_loss, 4), "log": log}
+    (out.parent / "target_train.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("work", type=Path, help="data dir from apps.demo_pair.data")
+    p.add_argument("out", type=Path, help="HF checkpoint dir to write")
+    p.add_argument("--steps", type=int, default=450)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--minutes", type=float, help="wall-time cap (breaks step-for-step reproducibility)")
+    a = p.parse_args()
+    train_target(a.work, a.out, a.steps, a.batch, a.seq, a.lr, a.seed, a.threads, minutes=a.minutes)
