@@ -305,9 +305,19 @@ class DecoderLayer(nn.Module):
         return r + self.post_feedforward_layernorm(h)
 
     def __call__(self, x, kv, mask, offset, per_layer_input=None):
-        """kv: this layer's (keys, values) over all visible slots."""
+        """kv: this layer's (keys, values) over all visible slots (a shared layer's source)."""
+        return self._block(x, self.input_layernorm(x), kv, mask, offset, per_layer_input)
+
+    def with_own_kv(self, x, update, mask, offset, per_layer_input=None):
+        """For a layer computing K/V: `update(k, v)` stores them and returns all visible slots.
+        Returns (output, kv) so KV-shared layers can reuse kv."""
+        normed = self.input_layernorm(x)
+        kv = update(*self.self_attn.keys_values(normed, offset))
+        return self._block(x, normed, kv, mask, offset, per_layer_input), kv
+
+    def _block(self, x, normed, kv, mask, offset, per_layer_input):
         attn = self.self_attn
-        q = attn.queries(self.input_layernorm(x), offset)
+        q = attn.queries(normed, offset)
         h = x + self.post_attention_layernorm(attn.attend(q, *kv, mask))
         h = self.feed_forward(h)
         if per_layer_input is not None:
@@ -356,12 +366,12 @@ class TextModel(nn.Module):
         masks = {t: cache.attention_mask(t, qpos) for t in (SLIDING, FULL)}
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
         for i, layer in enumerate(self.layers):
-            src = cfg.kv_source(i)
-            if src == i:
-                k, v = layer.self_attn.keys_values(layer.input_layernorm(x), offset)
-                kvs[i] = cache.update(i, k, v)
+            src, mask = cfg.kv_source(i), masks[cfg.layer_types[i]]
             pli = ple[:, :, i] if ple is not None else None
-            x = layer(x, kvs[src], masks[cfg.layer_types[i]], offset, pli)
+            if src == i:
+                x, kvs[i] = layer.with_own_kv(x, partial(cache.update, i), mask, offset, pli)
+            else:
+                x = layer(x, kvs[src], mask, offset, pli)
         return self.norm(x)
 
 
