@@ -118,6 +118,17 @@ def generate_tokens(
             room = limit - int(cache.offset[0]) - 1
             if room <= 0:
                 raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
+            if policy.next() == 0:  # drafting is off for a while: pipelined plain decoding
+                run = PlainRun()
+                key, sub = mx.random.split(key) if key is not None else (None, None)
+                yield from plain_loop(target, cache, state.tokens, sampling, min(policy.off_for, left, room),
+                                      stop, sub, stats, run, decode_start)
+                policy.observe_plain(run.emitted, timer.lap())
+                left -= run.emitted
+                if run.state is None or int(run.state.tokens[0].item()) in stop:
+                    return
+                state = run.state
+                continue
             k = min(policy.next(), room - 1) if room > 1 else 0
             key, sub = mx.random.split(key) if key is not None else (None, None)
             result = run_round(target, drafter, cache, state, k, sampling, [left], [stop], sub)
@@ -140,20 +151,31 @@ def generate_tokens(
             cache.trim(unyielded)
 
 
+@dataclasses.dataclass
+class PlainRun:
+    """What a stretch of plain decoding leaves behind for speculative rounds to resume from."""
+
+    state: Optional[RoundState] = None
+    emitted: int = 0
+
+
 def plain_loop(
     target: TargetModel, cache: KVCache, token: mx.array, sampling: SamplingParams, n: int,
-    stop: frozenset, key: Optional[mx.array], stats: Stats,
+    stop: frozenset, key: Optional[mx.array], stats: Stats, run: Optional[PlainRun] = None,
+    decode_start: Optional[float] = None,
 ) -> Iterator[tuple[int, bool]]:
-    """Plain decoding, pipelined: step t+1 is scheduled before token t is handed out. The
-    speculatively fed token is trimmed again on exit, keeping the cache invariant."""
+    """Plain decoding of up to `n` tokens, pipelined: step t+1 is scheduled before token t
+    is handed out. The token fed ahead is trimmed again on exit (the cache holds all but the
+    last token), and `run` receives the state a speculative round needs to resume."""
     limit = target.config.max_position_embeddings
+    run = run if run is not None else PlainRun()
 
     def step(y, key):
         hidden = target(y[:, None], cache).hidden[:, -1]
         logits = target.logits(hidden)
         if sampling.greedy:
-            return mx.argmax(logits, axis=-1).astype(mx.int32)
-        return sample(probs(logits, sampling), key)
+            return mx.argmax(logits, axis=-1).astype(mx.int32), hidden
+        return sample(probs(logits, sampling), key), hidden
 
     def next_key():
         nonlocal key
@@ -162,8 +184,9 @@ def plain_loop(
         key, sub = mx.random.split(key)
         return sub
 
-    decode_start, fed, emitted = time.perf_counter(), 1, 0
-    y = step(token, next_key())
+    decode_start = time.perf_counter() if decode_start is None else decode_start
+    fed = 1
+    y, hidden = step(token, next_key())
     mx.async_eval(y)
     try:
         for i in range(n):
@@ -173,20 +196,23 @@ def plain_loop(
                     raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
                 nxt = step(y, next_key())
                 fed += 1
-                mx.async_eval(nxt)
+                mx.async_eval(nxt[0])
             tok = int(y.item())
-            emitted += 1
+            run.emitted += 1
             stats.plain_steps += 1
             stats.emitted += 1
             stats.decode_seconds = time.perf_counter() - decode_start
+            run.state = RoundState(y, hidden, None)
             yield tok, False
             if tok in stop or nxt is None:
                 return
-            y = nxt
+            y, hidden = nxt
     finally:
         # Tokens fed ahead of what was handed out leave the cache: it holds all but the last.
-        if fed > emitted:
-            cache.trim(fed - emitted)
+        if fed > run.emitted:
+            cache.trim(fed - run.emitted)
+        if run.state is not None:
+            run.state.shared_kv = target.shared_kv(cache)
 
 
 @dataclasses.dataclass

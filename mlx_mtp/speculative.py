@@ -151,7 +151,7 @@ class DraftLength:
         self.plain_tps: Optional[float] = None  # EMA of tokens/s of plain steps
         self.mtp_tps: Optional[float] = None  # EMA of tokens/s of speculative rounds
         self.mtp_rounds = 0
-        self.off_for = 2 if self.auto else 0  # start with plain steps to measure them
+        self.off_for = 4 if self.auto else 0  # start with plain steps to measure them
         self.pause = 16
 
     def next(self) -> int:
@@ -164,10 +164,7 @@ class DraftLength:
             return
         tps = tokens / max(seconds, 1e-9)
         if k == 0:
-            self.plain_tps = _ema(self.plain_tps, tps)
-            self.off_for -= 1
-            if self.off_for == 0:
-                self.mtp_tps, self.mtp_rounds = None, 0  # probe afresh
+            self.observe_plain(tokens, seconds)
             return
         self.mtp_tps = _ema(self.mtp_tps, tps)
         self.mtp_rounds += 1
@@ -182,6 +179,15 @@ class DraftLength:
             self.k = 1
         else:
             self.pause = 16
+
+    def observe_plain(self, tokens: int, seconds: float) -> None:
+        """A stretch of `tokens` plain steps (drafting off) took `seconds`."""
+        if not self.auto or tokens == 0:
+            return
+        self.plain_tps = _ema(self.plain_tps, tokens / max(seconds, 1e-9))
+        self.off_for = max(self.off_for - tokens, 0)
+        if self.off_for == 0:
+            self.mtp_tps, self.mtp_rounds = None, 0  # probe afresh
 
 
 def _ema(old: Optional[float], new: float, alpha: float = 0.3) -> float:
