@@ -1,3 +1,3 @@
-from .cli import main
+from .chat import main
 
-main()
+raise SystemExit(main())

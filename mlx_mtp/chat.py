@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--system", help="system message")
     ap.add_argument("--prompt", help="answer this one message and exit")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     return ap.parse_args(argv)
 
 
@@ -67,15 +69,16 @@ def demo_pair() -> tuple[Path, Optional[Path]]:
 
 def open_conversation(args) -> tuple[Conversation, str]:
     """Load the model; returns the conversation and a banner line."""
-    model, drafter = args.model, args.drafter
+    model, drafter, dtype = args.model, args.drafter, args.dtype
     what = f"model {model}"
     if model is None:
+        dtype = dtype or "float32"  # bf16-stored; fp32 is exact and fastest on CPU
         model, demo_drafter = demo_pair()
         drafter = drafter or demo_drafter
         what = f"no --model: running the bundled demo pair in {model.parent}, a small model to try things out"
     if args.no_mtp:
         drafter = None
-    loaded = load(model, drafter)
+    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: chat needs one")
     if not getattr(loaded.tokenizer, "has_chat_template", True):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import platform
 import random
 import sysconfig

@@ -62,7 +62,7 @@ def held_out_prompts(tokenizer, n: int, lo: int = 64, hi: int = 128, seed: int =
             encoded[name] = tokenizer.encode(files[name], add_special_tokens=False)
         ids = encoded[name]
         length = int(rng.integers(lo, hi + 1))
-        if len(ids) < length + 64:
+        if len(ids) <= length + 64:
             continue
         newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
         start = int(rng.integers(0, len(ids) - length - 64))

@@ -53,6 +53,7 @@ class MaskedEmbedder(nn.Module):
         super().__init__()
         self.centroids = nn.Linear(cfg.text.hidden_size, cfg.num_centroids, bias=False)
         self.token_ordering = mx.zeros((cfg.text.vocab_size,), dtype=mx.int32)
+        self.freeze(keys=["token_ordering"], recurse=False)  # an index table, never trained
         self.top_k = cfg.centroid_intermediate_top_k
         self.num_centroids = cfg.num_centroids
 
