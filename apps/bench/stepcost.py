@@ -2,24 +2,15 @@
 tokens, one drafter step), the numbers that bound the MTP speed-up on a given machine."""
 
 import argparse
-import statistics
-import time
-
 import mlx.core as mx
 
+from apps.bench.env import time_fn
 from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
 from mlx_mtp.loading import load_model
 
 
 def timed(fn, repeats=30):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out) * 1e3
+    return time_fn(fn, repeats, warmup=3) * 1e3
 
 
 def main(argv=None):
