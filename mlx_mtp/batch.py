@@ -17,7 +17,7 @@ import numpy as np
 from .cache import KVCache
 from .generate import check_context, prefill
 from .models.base import Drafter, TargetModel
-from .sample import SamplingParams, probs, sample
+from .sample import SamplingParams, probs, sample, split_key
 from .speculative import RoundState, run_round
 from .stats import Stats
 
@@ -208,7 +208,5 @@ class BatchGenerator:
         return limit - int(self.cache.offset.max()) - 1
 
     def _split(self):
-        if self.key is None:
-            return None
-        self.key, sub = mx.random.split(self.key)
+        self.key, sub = split_key(self.key)
         return sub

@@ -293,30 +293,22 @@ class KVCache:
         return mx.concatenate([data, tail], axis=2)
 
     def _buffers(self, layer: int, keys: mx.array, values: mx.array, capacity: int):
-        buf_k, buf_v = self.keys[layer], self.values[layer]
-        if buf_k is None:
+        """The layer's buffers, created at the track's capacity on first use (`_relayout`
+        resizes existing ones whenever the capacity changes)."""
+        if self.keys[layer] is None:
             B, H, _, _ = keys.shape
-            buf_k = mx.zeros((B, H, capacity, keys.shape[3]), dtype=keys.dtype)
-            buf_v = mx.zeros((B, H, capacity, values.shape[3]), dtype=values.dtype)
-        elif buf_k.shape[2] < capacity:
-            grow = capacity - buf_k.shape[2]
-            buf_k = mx.concatenate([buf_k, mx.zeros((*buf_k.shape[:2], grow, buf_k.shape[3]), buf_k.dtype)], 2)
-            buf_v = mx.concatenate([buf_v, mx.zeros((*buf_v.shape[:2], grow, buf_v.shape[3]), buf_v.dtype)], 2)
-        return buf_k, buf_v
+            self.keys[layer] = mx.zeros((B, H, capacity, keys.shape[3]), dtype=keys.dtype)
+            self.values[layer] = mx.zeros((B, H, capacity, values.shape[3]), dtype=values.dtype)
+        return self.keys[layer], self.values[layer]
 
 
 def _right_align(buf: mx.array, used: int, length: int, capacity: int, fill, axis: int = 1) -> mx.array:
     """buf[..., :used] placed at [length - used, length) of a `capacity`-long axis."""
     data = buf[:, :used] if axis == 1 else buf[:, :, :used]
-    shape = list(data.shape)
-    parts = []
-    for width in (length - used, None):
-        if width is None:
-            parts.append(data)
-            continue
-        if width:
-            shape[axis] = width
-            parts.append(mx.full(shape, fill, dtype=buf.dtype))
-    shape[axis] = capacity - length
-    parts.append(mx.full(shape, fill, dtype=buf.dtype))
-    return mx.concatenate(parts, axis=axis)
+
+    def filler(width):
+        shape = list(data.shape)
+        shape[axis] = width
+        return mx.full(shape, fill, dtype=buf.dtype)
+
+    return mx.concatenate([filler(length - used), data, filler(capacity - length)], axis=axis)

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .models.base import Drafter, TargetModel
-from .sample import SamplingParams, probs, sample
+from .sample import SamplingParams, probs, sample, split_key
 from .speculative import DraftLength, RoundState, Timer, run_round
 from .stats import Stats
 
@@ -97,7 +97,7 @@ def generate_tokens(
 
     started = time.perf_counter()
     logits, state = prefill(target, cache, prompt)
-    key, sub = mx.random.split(key) if key is not None else (None, None)
+    key, sub = split_key(key)
     first = sample(probs(logits, sampling), sub)
     state = RoundState(first.astype(mx.int32), state.hidden, state.shared_kv)
     token = int(first.item())
@@ -120,7 +120,7 @@ def generate_tokens(
                 raise ContextLengthError(f"generation reached the model's context of {limit} tokens")
             if policy.next() == 0:  # drafting is off for a while: pipelined plain decoding
                 run = PlainRun()
-                key, sub = mx.random.split(key) if key is not None else (None, None)
+                key, sub = split_key(key)
                 yield from plain_loop(target, cache, state.tokens, sampling, min(policy.off_for, left, room),
                                       stop, sub, stats, run, decode_start)
                 policy.observe_plain(run.emitted, timer.lap())
@@ -130,14 +130,14 @@ def generate_tokens(
                 state = run.state
                 continue
             k = min(policy.next(), room - 1) if room > 1 else 0
-            key, sub = mx.random.split(key) if key is not None else (None, None)
+            key, sub = split_key(key)
             result = run_round(target, drafter, cache, state, k, sampling, [left], [stop], sub)
             emitted, state = result.emitted[0], result.state
             policy.observe(k, result.accepted[0], len(emitted), timer.lap())
             stats.observe_round(k, result.accepted[0])
             unyielded = len(emitted)
             for i, tok in enumerate(emitted):
-                from_draft = i < len(emitted) - 1 or (k > 0 and i < result.accepted[0])
+                from_draft = i < result.accepted[0]
                 stats.emitted += 1
                 stats.from_draft += from_draft
                 stats.decode_seconds = time.perf_counter() - decode_start
@@ -179,9 +179,7 @@ def plain_loop(
 
     def next_key():
         nonlocal key
-        if key is None:
-            return None
-        key, sub = mx.random.split(key)
+        key, sub = split_key(key)
         return sub
 
     decode_start = time.perf_counter() if decode_start is None else decode_start

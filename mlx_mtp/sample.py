@@ -102,6 +102,14 @@ def sample(p: mx.array, key: Optional[mx.array] = None) -> mx.array:
     return _gumbel_argmax(p.astype(mx.float32), key).astype(mx.int32)
 
 
+def split_key(key: Optional[mx.array]) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+    """(next key, subkey) for reproducible sampling; (None, None) without a key (global RNG)."""
+    if key is None:
+        return None, None
+    key, sub = mx.random.split(key)
+    return key, sub
+
+
 def _prefix_len(match: mx.array) -> mx.array:
     # Number of leading True values along the last axis.
     return mx.cumprod(match.astype(mx.int32), axis=-1).sum(axis=-1)
@@ -166,7 +174,7 @@ def rejection_accept_batch(
     draft_tokens = mx.array(draft_tokens)
     q, p = q.astype(mx.float32), p.astype(mx.float32)
     b, k = draft_tokens.shape
-    k_u, k_draw = mx.random.split(key) if key is not None else (None, None)
+    k_u, k_draw = split_key(key)
 
     p_d = _gather_token_prob(p[:, :k], draft_tokens)
     q_d = _gather_token_prob(q, draft_tokens)

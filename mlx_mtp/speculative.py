@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .models.base import Drafter, SharedKV, TargetModel, TargetOutput
-from .sample import SamplingParams, greedy_accept_batch, probs, rejection_accept_batch, sample
+from .sample import SamplingParams, greedy_accept_batch, probs, rejection_accept_batch, sample, split_key
 
 
 @dataclasses.dataclass
@@ -121,7 +121,7 @@ def run_round(
     key: Optional[mx.array] = None,
 ) -> RoundResult:
     """draft -> verify -> accept -> emit -> rollback, for every row of the cache."""
-    k_draft, k_accept = mx.random.split(key) if key is not None else (None, None)
+    k_draft, k_accept = split_key(key)
     drafts = draft(drafter, target, state, cache, k, sampling, k_draft) if k else draft_none(state)
     out = verify(target, cache, state, drafts)
     n, nxt = accept(drafts, out, sampling, k_accept)

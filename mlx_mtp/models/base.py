@@ -95,6 +95,7 @@ class TargetModel(Protocol):
     """What the generation loop needs from a target model."""
 
     vocab_size: int
+    config: Any  # read for max_position_embeddings
 
     def __call__(self, tokens: mx.array, cache: Optional["KVCache"] = None) -> TargetOutput: ...
 
