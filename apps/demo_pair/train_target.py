@@ -20,35 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_mtp.hf_compat import patch_kv_sharing_modes
+
 S, F = "sliding_attention", "full_attention"
-
-
-def patch_kv_sharing_modes():
-    """transformers 5.23 `Gemma4TextConfig.kv_sharing_modes` workaround, as in
-    tests/reference/make_fixtures.py (which explains both bugs): (1) an all-shared config
-    (every `gemma4_assistant`) raises at construction; (2) an unshared target publishes no
-    "store" K/V. Our E2B-like target (0 < shared < layers) uses the original unchanged, but
-    the patch keeps the recipe safe if the config is changed to a dense (unshared) target,
-    and lets a drafter be built with transformers for cross-checks."""
-    from transformers import Gemma4TextConfig
-
-    if getattr(Gemma4TextConfig, "_mlx_mtp_patched", False):
-        return
-    orig = Gemma4TextConfig.kv_sharing_modes
-
-    def modes(self):
-        n, shared = self.num_hidden_layers, self.num_kv_shared_layers or 0
-        if n and shared >= n:
-            return ["reuse"] * n
-        if shared == 0:
-            out = [None] * n
-            for kind in set(self.layer_types):
-                out[max(i for i, t in enumerate(self.layer_types) if t == kind)] = "store"
-            return out
-        return orig.fget(self)
-
-    Gemma4TextConfig.kv_sharing_modes = property(modes)
-    Gemma4TextConfig._mlx_mtp_patched = True
 
 
 def target_config(vocab: int):

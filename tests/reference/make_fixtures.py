@@ -25,7 +25,7 @@ global_head_dim 32, sliding_window 8, softcap 30, tied embeddings, 6 layers [S,S
   31B; for text-only input that does not change the output (checked below).
 
 Config adjustments relative to the brief: none were needed; transformers accepts every config as
-specified (only with the kv_sharing_modes patch below, which the assistant needs to be
+specified (only with the kv_sharing_modes patch from mlx_mtp.hf_compat, which the assistant needs to be
 constructible at all). The MoE ``intermediate_size=96`` is the dense ("shared expert") MLP width.
 The drafters' text configs set ``final_logit_softcapping=None`` (as the official assistant
 configs do; the assistant forward never softcaps anyway). All configs use pad/eos/bos = 0/1/2.
@@ -99,48 +99,16 @@ from transformers import (
 )
 from transformers.generation import candidate_generator as _cg
 
+from mlx_mtp.hf_compat import patch_kv_sharing_modes
+
 SEED = 1234
 VARIANT_SEED_OFFSET = {"dense": 0, "moe": 1, "e2b": 2}
 TRANSFORMERS_VERSION = "5.23.0"
 TORCH_VERSION = "2.13.0"
 
-# ---------------------------------------------------------------------------------------------
-# Monkeypatch for transformers 5.23.0 ``Gemma4TextConfig.kv_sharing_modes``.
-#
-# The property decides, per layer, whether it computes its own K/V (None), computes them and also
-# publishes them in ``shared_kv_states`` ("store"), or reads another layer's K/V ("reuse").
-# Two bugs in 5.23.0:
-#   1. If every layer is shared (num_kv_shared_layers == num_hidden_layers, which
-#      Gemma4AssistantConfig.__post_init__ forces for every assistant), the "producer" layer set
-#      is empty and it raises ValueError("The set of layer types producing a cache is different
-#      than the set of layer types using them"): a Gemma4AssistantForCausalLM cannot even be
-#      constructed. Correct behaviour: all layers "reuse" the K/V the target hands in.
-#   2. If no layer is shared (num_kv_shared_layers == 0: the 31B / 26B-A4B-like targets) it
-#      returns early with all None, so no layer is a "store" layer, ``return_shared_kv_states``
-#      yields an empty dict and assisted generation with a Gemma 4 assistant dies with
-#      KeyError 'full_attention'. Correct behaviour (what the code comment says, and what an
-#      earlier upstream version did): the last layer of each layer type is "store".
-# For 0 < num_kv_shared_layers < num_hidden_layers (E2B/E4B-like) the original is correct and is
-# used unchanged.
-# ---------------------------------------------------------------------------------------------
-_ORIG_KV_SHARING_MODES = Gemma4TextConfig.kv_sharing_modes
-
-
-def _patched_kv_sharing_modes(self):
-    n = self.num_hidden_layers
-    shared = self.num_kv_shared_layers or 0
-    if n and shared >= n:  # bug 1: assistant, everything reuses the target's K/V
-        return ["reuse"] * n
-    if shared == 0:  # bug 2: unshared target, last layer of each type publishes its K/V
-        modes: list[str | None] = [None] * n
-        for layer_type in set(self.layer_types):
-            last = max(i for i, t in enumerate(self.layer_types) if t == layer_type)
-            modes[last] = "store"
-        return modes
-    return _ORIG_KV_SHARING_MODES.fget(self)
-
-
-Gemma4TextConfig.kv_sharing_modes = property(_patched_kv_sharing_modes)
+# transformers 5.23.0's Gemma4TextConfig.kv_sharing_modes has two bugs that break every
+# Gemma4Assistant and unshared targets; mlx_mtp.hf_compat explains and fixes both.
+patch_kv_sharing_modes()
 
 # ---------------------------------------------------------------------------------------------
 # Configs
