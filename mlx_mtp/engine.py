@@ -21,12 +21,11 @@ import queue
 import threading
 from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
 
-import mlx.core as mx
-
 from .conversation import Conversation
 from .generate import stream_generate
 from .sample import SamplingParams
 from .stats import Stats
+from .threads import mark_mlx_thread
 
 log = logging.getLogger(__name__)
 
@@ -272,15 +271,15 @@ class Engine:
     # ---- worker side: the only thread that calls MLX ---------------------------------------
 
     def _run(self) -> None:
+        mark_mlx_thread()
         try:
-            with mx.stream(mx.new_stream(mx.default_device())):
-                while (item := self._inbox.get()) is not _STOP:
-                    if isinstance(item, RequestHandle):
-                        self._serve(item)
-                        with self._lock:
-                            self._live.discard(item)
-                    else:
-                        self._command(item)
+            while (item := self._inbox.get()) is not _STOP:
+                if isinstance(item, RequestHandle):
+                    self._serve(item)
+                    with self._lock:
+                        self._live.discard(item)
+                else:
+                    self._command(item)
         except BaseException as e:  # a bug in the loop itself: fail every waiting request
             with self._lock:
                 self._closed = True

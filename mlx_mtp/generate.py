@@ -13,6 +13,7 @@ from .models.base import Drafter, TargetModel
 from .sample import SamplingParams, probs, sample, split_key
 from .speculative import DraftLength, RoundState, Timer, run_round
 from .stats import Stats
+from .threads import mark_mlx_thread
 
 
 class ContextLengthError(ValueError):
@@ -82,6 +83,7 @@ def generate_tokens(
     `cache` may carry earlier turns: it holds every token of the conversation but the last
     one, and `prompt` continues from there (starting with that last token).
     """
+    mark_mlx_thread()
     policy = DraftLength(draft_tokens if drafter is not None else 0)
     if cache is None:
         cache = target.make_cache(1, max_rollback=policy.k_max + 1)

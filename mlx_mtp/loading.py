@@ -145,9 +145,16 @@ def load_model(
     if dtype is not None:
         cast_floats(model, dtype)
     if not lazy:
-        mx.eval(model.parameters())
+        mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
     return model, config, path
+
+
+def _private_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays a module keeps outside its parameters (e.g. `_name` tables). They must be
+    evaluated at load time too: MLX cannot evaluate, on another thread, an array whose
+    graph was built on the loading thread's stream."""
+    return [v for _, m in model.named_modules() for v in vars(m).values() if isinstance(v, mx.array)]
 
 
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -1,12 +1,17 @@
 """Engine: one worker thread serves requests from any thread, with cancellation and errors."""
 
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 from chat_helpers import DRAFTER, make_chat_model
 
 import mlx_mtp
 from mlx_mtp.conversation import Conversation
+from mlx_mtp import engine as engine_module
 from mlx_mtp.engine import Engine, Request
 
 WAIT = 60  # seconds any single event may take before a test fails instead of hanging
@@ -110,3 +115,37 @@ def test_close_cancels_running_requests_and_joins(loaded):
     assert not engine.running and handle.result(WAIT).finish_reason in ("cancelled", "stop")
     with pytest.raises(RuntimeError):
         engine.submit(Request("late"))
+
+
+def run_fresh(code: str) -> subprocess.CompletedProcess:
+    """`code` in a new interpreter: nothing loaded, warmed up or evaluated beforehand."""
+    root = Path(mlx_mtp.__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=180)
+
+
+def docstring_example(module) -> str:
+    lines = module.__doc__.split("\n\n")[1]
+    return textwrap.dedent(lines)
+
+
+def test_the_docstring_example_runs_in_a_fresh_process():
+    code = ("import mlx_mtp\nfrom mlx_mtp.engine import Engine, Request\n"
+            "from mlx_mtp.demo import TARGET_DIR as model, DRAFTER_DIR as drafter\n"
+            + docstring_example(engine_module))
+    out = run_fresh(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() and "terminate called" not in out.stderr
+
+
+def test_generate_on_a_plain_thread_in_a_fresh_process():
+    code = textwrap.dedent("""
+        import threading, mlx_mtp
+        from mlx_mtp.demo import load_demo
+        loaded = load_demo()
+        out = []
+        worker = threading.Thread(target=lambda: out.append(mlx_mtp.generate(loaded, "def f(x):", max_tokens=12)))
+        worker.start(); worker.join()
+        print(len(out[0].tokens))
+    """)
+    out = run_fresh(code)
+    assert out.returncode == 0 and out.stdout.strip() == "12", out.stderr[-2000:]

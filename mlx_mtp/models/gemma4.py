@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache
@@ -164,10 +165,11 @@ def rope_frequencies(params: dict, head_dim: int) -> tuple[int, Optional[float],
     if kind == "proportional":
         # Only the first partial*D/2 frequency pairs rotate, with exponent denominator D;
         # pairs are (i, i + D/2) across the whole head, so rope spans all D dims.
+        # Built on the host: a lazy table would tie the model to the thread that loaded it.
         angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-        periods = factor * theta ** (mx.arange(0, 2 * angles, 2, dtype=mx.float32) / head_dim)
-        rest = mx.full((head_dim // 2 - angles,), mx.inf)
-        return head_dim, None, mx.concatenate([periods, rest])
+        periods = factor * theta ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim)
+        rest = np.full((head_dim // 2 - angles,), np.inf, dtype=np.float32)
+        return head_dim, None, mx.array(np.concatenate([periods, rest]).astype(np.float32))
     raise ConfigError(f"unsupported rope_type {kind!r}")
 
 
