@@ -1,12 +1,13 @@
 """mlx_mtp: Gemma 4 with MTP speculative decoding on Apple MLX."""
 
 from . import generate as generate_module
+from .batch import BatchGenerator
 from .conversation import Conversation
-from .engine import Engine, Request, RequestHandle
+from .engine import Engine, QueueFull, Request, RequestHandle
 from .generate import ContextLengthError, Event, Result, generate, stream_generate
 from .loading import Loaded, load
 from .sample import SamplingParams
 from .stats import Stats
 
 __version__ = "0.1.0"
-__all__ = ["Conversation", "Engine", "Request", "RequestHandle", "ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats"]
+__all__ = ["BatchGenerator", "Conversation", "Engine", "QueueFull", "Request", "RequestHandle", "ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats"]

@@ -1,212 +1,425 @@
-"""Batched speculative decoding: 1-8 sequences verified in one target forward per round.
+"""The one generation driver: continuous batching of speculative rounds.
 
-Rows have their own prompts, lengths, drafts, acceptance and budgets; they join (after a
-prefill of their own) and leave between rounds. Every row's tokens equal what it would
-get alone: positions, masks and rollback are per row in the shared cache.
+Rows join and leave between rounds. A row is inserted with its prompt (and optionally the KV
+cache of an earlier turn); its prompt is prefilled in chunks, one chunk per `step()`, between
+the batch's rounds, so streaming rows stall for at most one chunk; then it joins the batch.
+Each row owns its request: sampling parameters, seed, stop tokens, token budget, MTP on/off and
+draft length; its output equals what it would get alone.
+
+Rounds are pipelined: `step()` builds and queues round n+1 before it reads round n's tokens, so
+the host's work of building a round and handing out tokens hides behind the device's work.
+The shape follows mlx-lm's `BatchGenerator.insert(...)` / `remove(...)`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import secrets
 import time
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache
-from .generate import check_context, prefill
-from .models.base import Drafter, TargetModel
-from .sample import SamplingParams, probs, sample, split_key
-from .speculative import RoundState, run_round
+from .cache import KVCache, Snapshot
+from .drafters import as_proposer
+from .models.base import TargetModel
+from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
+from .speculative import K_MAX, MAX_ROLLBACK, BatchState, DraftPolicy, Plan, RoundOutput, check_draft_tokens, run_round
 from .stats import Stats
+from .threads import mark_mlx_thread
+
+SEEDED_K = 3  # draft length of a seeded, sampled row under "auto" (see `insert`)
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus generation) that does not fit the model's context."""
 
 
 @dataclasses.dataclass
-class Row:
+class RowEvent:
+    """New tokens of one row from one `step()`; `finish_reason` is set on the row's last event."""
+
     uid: int
-    budget: int  # tokens still allowed
+    tokens: list
+    from_draft: list
+    finish_reason: Optional[str] = None  # "stop", "length" or "cancelled"
+    stats: Optional[Stats] = None
+
+
+@dataclasses.dataclass
+class Left:
+    """What a row leaves behind: its cache (holding all of its tokens but the last one emitted),
+    that length, and the snapshot taken after its prompt (when asked for)."""
+
+    cache: Optional[KVCache]
+    length: int
+    snapshot: Optional[Snapshot]
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    uid: int
+    prompt: list
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    seeded: bool
     stop_ids: frozenset
+    draft: Union[int, str, None]  # None: MTP off for this row
+    keep_cache: bool
+    want_snapshot: bool
+    cache: Optional[KVCache]
+    start: int  # tokens the cache held before the prompt
+    fed: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
+    stats: Stats = dataclasses.field(default_factory=Stats)
+    first: Optional[mx.array] = None
+    snapshot: Optional[Snapshot] = None
+    began: float = 0.0
+
+    @property
+    def length(self) -> int:
+        """Tokens the row's cache holds: prompt and emitted tokens but the last one."""
+        return self.start + self.fed + max(len(self.tokens) - 1, 0)
 
 
-class CostModel:
-    """Draft length from measured round cost and per-position acceptance.
-
-    Expected tokens per round with k drafts is rows * (1 + sum_j prod_{i<=j} a_i); the round
-    cost at this batch size is measured (EMA per k, linear fit for unseen k). The k with the
-    highest expected tokens per second wins; neighbours are re-probed now and then.
-    """
-
-    def __init__(self, k: Union[int, str] = "auto", k_max: int = 6, probe_every: int = 16):
-        self.fixed = None if k == "auto" else int(k)
-        self.k_max = k_max if self.fixed is None else self.fixed
-        self.accept = np.full(self.k_max, 0.5)  # P(draft i accepted | drafts < i accepted)
-        self.seen = np.zeros(self.k_max)
-        self.cost: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds per round
-        self.rounds = 0
-        self.probe_every = probe_every
-
-    def choose(self, rows: int) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        self.rounds += 1
-        best = max(range(self.k_max + 1), key=lambda k: self.rate(rows, k))
-        if self.rounds % self.probe_every == 0:  # keep estimates of the neighbours fresh
-            best = min(self.k_max, best + 1) if self.rounds % (2 * self.probe_every) else max(0, best - 1)
-        return best
-
-    def rate(self, rows: int, k: int) -> float:
-        tokens = rows * (1 + np.cumprod(self.accept[:k]).sum())
-        return tokens / self.round_cost(rows, k)
-
-    def round_cost(self, rows: int, k: int) -> float:
-        if (rows, k) in self.cost:
-            return self.cost[(rows, k)]
-        known = sorted((kk, c) for (r, kk), c in self.cost.items() if r == rows)
-        if len(known) >= 2:
-            (k0, c0), (k1, c1) = known[0], known[-1]
-            slope = max((c1 - c0) / max(k1 - k0, 1), 0.0)
-            return max(c0 + slope * (k - k0), 1e-6)
-        if known:  # one point: assume each draft adds a third of a plain step
-            k0, c0 = known[0]
-            return c0 * (3 + k) / (3 + k0)
-        return 1.0 + k / 3  # nothing measured yet: optimistic, so drafting gets tried
-
-    def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: float) -> None:
-        key = (rows, k)
-        self.cost[key] = seconds if key not in self.cost else 0.7 * self.cost[key] + 0.3 * seconds
-        for n in accepted:  # conditional acceptance per position, from each row's prefix
-            for i in range(min(n + 1, k)):
-                hit = 1.0 if i < n else 0.0
-                self.seen[i] += 1
-                weight = max(1.0 / self.seen[i], 0.05)
-                self.accept[i] = (1 - weight) * self.accept[i] + weight * hit
+@dataclasses.dataclass
+class _Inflight:
+    out: RoundOutput
+    rows: list
+    plan: Plan
+    after_prefill: bool  # a prompt chunk ran just before it: its wall time is not the round's
 
 
 class BatchGenerator:
-    """Generate for several sequences at once; rows join and leave between rounds.
+    """Generate for any number of sequences at once.
 
     Usage:
         gen = BatchGenerator(target, drafter)
-        uid = gen.add(prompt_ids, max_tokens=100)
-        while gen.active: for uid, tokens, finish in gen.step(): ...
+        uid = gen.insert(prompt_ids, max_tokens=100)
+        while gen.busy:
+            for event in gen.step(): ...   # RowEvent(uid, tokens, from_draft, finish_reason)
+
+    Args:
+        target: the target model.
+        drafter: an MTP drafter, a proposer (e.g. `NgramDrafter`), or None for plain decoding.
+        draft_tokens: the batch's draft-length policy: "auto" or a fixed K.
+        prefill_chunk: prompt tokens processed per `step()`.
     """
 
-    def __init__(
-        self,
-        target: TargetModel,
-        drafter: Optional[Drafter] = None,
-        sampling: SamplingParams = SamplingParams(),
-        draft_tokens: Union[int, str] = "auto",
-        k_max: int = 6,
-        seed: Optional[int] = None,
-    ):
-        self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.policy = CostModel(draft_tokens if drafter is not None else 0, k_max)
-        if drafter is not None:
-            drafter.check_target(target)
-        self.rows: list[Row] = []
+    def __init__(self, target: TargetModel, drafter=None, draft_tokens: Union[int, str] = "auto",
+                 prefill_chunk: int = 512):
+        self.target = target
+        self.proposer = as_proposer(drafter, target)
+        self.policy = DraftPolicy(draft_tokens if self.proposer is not None else 0)
+        self.prefill_chunk = prefill_chunk
+        self.limit = target.config.max_position_embeddings
+        self.stats = Stats()  # every row together
+        self.pending: collections.deque[_Row] = collections.deque()
+        self.rows: list[_Row] = []  # in the batch, in cache order
         self.cache: Optional[KVCache] = None
-        self.state: Optional[RoundState] = None
-        self.key = mx.random.key(seed) if seed is not None else None
-        self.stats = Stats()
-        self._next_uid = 0
-        self._pending: list[tuple[Row, int]] = []
+        self.state: Optional[BatchState] = None
+        self._inflight: Optional[_Inflight] = None
+        self._joined: list[_Row] = []  # first token not read yet
+        self._gone: dict[int, _Row] = {}  # finished rows whose cache is kept for `remove`
+        self._cancelled: list[_Row] = []
+        self._uids = 0
+        self._last_read: Optional[float] = None
+
+    @property
+    def busy(self) -> bool:
+        """True while any row still has work (or a cancel to report)."""
+        return bool(self.pending or self.rows or self._joined or self._cancelled)
 
     @property
     def active(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.pending)
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 256, stop_ids: Sequence[int] = ()) -> int:
-        """Prefill a new sequence and put it in the batch; returns its id. Its first token is
-        reported by the next `step()`."""
-        cache = self.target.make_cache(1, max_rollback=self.policy.k_max + 1)
-        check_context(self.target, cache, len(prompt))
-        started = time.perf_counter()
-        logits, state = prefill(self.target, cache, prompt)
-        first = sample(probs(logits, self.sampling), self._split()).astype(mx.int32)
-        mx.eval(first)
-        self.stats.prompt_tokens += len(prompt)
-        self.stats.prompt_seconds += time.perf_counter() - started
-        row = Row(self._next_uid, max_tokens, frozenset(stop_ids))
-        self._next_uid += 1
-        self._join(row, cache, RoundState(first, state.hidden, state.shared_kv))
-        self._pending.append((row, int(first.item())))
-        return row.uid
+    # ---- rows in -------------------------------------------------------------------------
 
-    def step(self) -> list[tuple[int, list[int], Optional[str]]]:
-        """One round for every row: [(uid, new tokens, finish reason or None)]. Rows added
-        since the last step first report their prefill token."""
-        events = [self._emit(row, [tok]) for row, tok in self._pending]
-        self._pending = []
-        self._drop_finished()
-        if self.rows:
-            events += self._round()
-            self._drop_finished()
+    def insert(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+               seed: Optional[int] = None, stop_ids: Sequence[int] = (), mtp: bool = True,
+               draft_tokens: Union[int, str] = "auto", cache: Optional[KVCache] = None,
+               keep_cache: bool = False, snapshot: bool = False, stats: Optional[Stats] = None) -> int:
+        """Queue a sequence; returns its uid. Its first token comes from a later `step()`.
+
+        Args:
+            prompt: token ids, continuing what `cache` holds (if given).
+            max_tokens: the row's token budget.
+            sampling: the row's sampling parameters.
+            seed: the row's random seed. A seeded row's output depends only on (seed, prompt,
+                sampling, draft length): never on timing or on the other rows. Under "auto",
+                a seeded row that samples drafts SEEDED_K tokens a round for that reason.
+            stop_ids: tokens that end the row (emitted, then the row stops).
+            mtp: False: the row drafts nothing (it still shares the batch's verify forward).
+            draft_tokens: "auto" (the policy decides) or the row's fixed draft length.
+            cache: the row's KV cache so far (an earlier turn); the generator takes it over.
+            keep_cache: keep the row's cache when it finishes, for `remove(uid)`.
+            snapshot: snapshot the sliding layers right after the prompt (see `KVCache.snapshot`).
+            stats: the `Stats` to keep the row's statistics in (a new one by default).
+
+        Raises:
+            ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
+        """
+        ids = self._check_prompt(prompt)
+        if int(max_tokens) != max_tokens or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        draft = draft_tokens if draft_tokens == "auto" else check_draft_tokens(draft_tokens)
+        start = 0
+        if cache is not None:
+            if cache.batch_size != 1 or cache.max_rollback != MAX_ROLLBACK:
+                raise ValueError("a row's cache must be a one-row cache made with max_rollback=MAX_ROLLBACK")
+            start = int(cache.offsets()[0])
+        if start + len(ids) >= self.limit:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens (plus {start} in the cache) does not fit the model's context "
+                f"of {self.limit} tokens")
+        uid, self._uids = self._uids, self._uids + 1
+        row = _Row(uid, ids, int(max_tokens), sampling, _seed(seed), seed is not None, frozenset(stop_ids),
+                   draft if mtp and self.proposer is not None else None, keep_cache, snapshot, cache, start)
+        row.stats = stats if stats is not None else row.stats
+        self.pending.append(row)
+        return uid
+
+    def _check_prompt(self, prompt) -> list:
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: nothing to condition on")
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError("a prompt is a flat list of integer token ids")
+        bad = arr[(arr < 0) | (arr >= self.target.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.target.vocab_size - 1})")
+        return [int(t) for t in ids]
+
+    # ---- rows out ------------------------------------------------------------------------
+
+    def cancel(self, uid: int) -> None:
+        """Stop a row; the next `step()` reports it with finish_reason "cancelled"."""
+        row = self._find(uid)
+        if row is None or row.finish_reason is not None:
+            return
+        row.finish_reason = "cancelled"
+        self._cancelled.append(row)
+        if row in self.pending:
+            self.pending.remove(row)
+            self._leave(row, row.cache)
+
+    def remove(self, uid: int, taken: Optional[int] = None) -> Optional[Left]:
+        """Take a row out now (cancelling it if it still runs). Returns what it left (its cache,
+        if it was inserted with keep_cache) or None.
+
+        Args:
+            taken: how many of its tokens the consumer took, when it stopped part way through
+                a step's tokens; the cache then ends with those.
+        """
+        self.cancel(uid)
+        row = self._find(uid)
+        if row is None:
+            return None
+        if taken is not None and taken < len(row.tokens) and row.uid not in self._gone:
+            row.tokens = row.tokens[:taken]
+        if row in self._joined:
+            self._joined.remove(row)
+        if row in self._cancelled:
+            self._cancelled.remove(row)
+        self._retire()
+        row = self._gone.pop(uid, None)
+        return None if row is None else Left(row.cache, row.length, row.snapshot)
+
+    def _find(self, uid: int) -> Optional[_Row]:
+        for row in [*self.pending, *self.rows, *self._gone.values()]:
+            if row.uid == uid:
+                return row
+        return None
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RowEvent]:
+        """Retire finished rows, prefill one chunk, queue the next round, and return the
+        tokens of the round queued by the previous call (and new rows' first tokens)."""
+        mark_mlx_thread()
+        events = [RowEvent(r.uid, [], [], r.finish_reason, r.stats) for r in self._cancelled]
+        self._cancelled = []
+        self._retire()
+        prefilled = self._prefill_chunk()
+        launched = self._launch(prefilled) if self.rows else None
+        events += self._read(self._inflight, launched)
+        events += self._read_first()
+        self._inflight = launched
+        if launched is None:
+            self._last_read = None
         return events
 
-    def _round(self):
-        rows = len(self.rows)
-        k = self.policy.choose(rows) if self.drafter is not None else 0
-        k = min(k, self._room() - 1) if self._room() > 1 else 0
-        budget = [r.budget for r in self.rows]
-        started = time.perf_counter()
-        result = run_round(self.target, self.drafter, self.cache, self.state, k, self.sampling,
-                           budget, [r.stop_ids for r in self.rows], self._split())
-        self.state = result.state
-        mx.eval(self.state.hidden)
-        seconds = time.perf_counter() - started
-        self.policy.observe(rows, k, result.accepted, seconds)
-        self.stats.decode_seconds += seconds
+    def _launch(self, after_prefill: bool) -> _Inflight:
+        rows = self.rows
+        k = self.policy.choose(len(rows)) if any(r.draft == "auto" for r in rows) else 0
+        plan = Plan(tuple(r.params for r in rows), tuple(self._row_k(r, k) for r in rows))
+        self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan)
+        mx.async_eval(out.tokens, out.accepted, self.state.tokens, self.state.hidden, self.cache.offset)
+        return _Inflight(out, list(rows), plan, after_prefill)
+
+    def _row_k(self, row: _Row, k: int) -> int:
+        if row.draft is None:
+            return 0
+        if row.draft != "auto":
+            return row.draft
+        if row.seeded and not row.params.greedy and self.policy.fixed is None:
+            return SEEDED_K  # a measured-timing K would make the output depend on timing
+        return k
+
+    def _read(self, inflight: Optional[_Inflight], launched: Optional[_Inflight]) -> list[RowEvent]:
+        if inflight is None or all(r.finish_reason for r in inflight.rows):
+            return []  # nobody waits for it: don't wait for the device either
+        tokens, accepted = inflight.out.tokens.tolist(), inflight.out.accepted.tolist()
+        now = time.perf_counter()
+        seconds = None if self._last_read is None or inflight.after_prefill else now - self._last_read
+        if self._last_read is not None:
+            self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
+        self._last_read = now
+        plan = inflight.plan
+        full = [n for n, lim in zip(accepted, plan.limits) if lim == plan.k]
+        self.policy.observe(len(inflight.rows), plan.k, full, seconds)
         events = []
-        for row, emitted, n in zip(self.rows, result.emitted, result.accepted):
-            self.stats.observe_round(k, n)
-            self.stats.from_draft += min(n, len(emitted)) if k else 0
-            events.append(self._emit(row, emitted))
+        for row, toks, n, k in zip(inflight.rows, tokens, accepted, plan.limits):
+            if row.finish_reason is None:
+                events.append(self._deliver(row, toks[: n + 1], n, k))
+        self._settle(inflight, launched)
         return events
 
-    def _emit(self, row: Row, tokens: list[int]):
+    def _settle(self, inflight: _Inflight, launched: Optional[_Inflight]) -> None:
+        """Tell the cache the lengths just read, so its host bounds do not drift (they decide
+        how many slots attention reads, and what a rollback may still reach)."""
+        if launched is None:
+            return
+        ahead = launched.plan.k + 1
+        at = {id(row): i for i, row in enumerate(self.rows)}
+        known = [(at[id(r)], r.length) for r in inflight.rows if r.finish_reason is None and id(r) in at]
+        if known:
+            rows, lengths = zip(*known)
+            self.cache.settle(rows, lengths, ahead, reach=K_MAX + 1)
+
+    def _deliver(self, row: _Row, tokens: list, accepted: int, k: int) -> RowEvent:
+        """Hand out a round's tokens, cut after a stop token, at the budget or the context."""
+        room = min(row.max_tokens - len(row.tokens), self.limit - row.start - row.fed - len(row.tokens))
+        finish = None
+        for i, tok in enumerate(tokens):
+            if tok in row.stop_ids:
+                tokens, finish = tokens[: i + 1], "stop"
+                break
+        if len(tokens) > room or (finish is None and len(tokens) == room):
+            tokens, finish = tokens[:room], "length"
         row.tokens += tokens
-        row.budget -= len(tokens)
-        self.stats.emitted += len(tokens)
-        if tokens and tokens[-1] in row.stop_ids:
-            row.finish_reason = "stop"
-        elif row.budget <= 0:
-            row.finish_reason = "length"
-        return row.uid, tokens, row.finish_reason
+        row.finish_reason = finish
+        from_draft = [i < accepted for i in range(len(tokens))]
+        for stats in (row.stats, self.stats):
+            stats.observe_round(k, accepted)
+            stats.emitted += len(tokens)
+            stats.from_draft += sum(from_draft)
+        row.stats.decode_seconds = time.perf_counter() - row.began - row.stats.first_token_seconds
+        return RowEvent(row.uid, tokens, from_draft, finish, row.stats)
 
-    def _join(self, row: Row, cache: KVCache, state: RoundState) -> None:
+    # ---- prefill and joining -----------------------------------------------------------------
+
+    def _prefill_chunk(self) -> bool:
+        if not self.pending:
+            return False
+        row = self.pending[0]
+        if row.fed == 0:
+            row.began = time.perf_counter()
+            if row.cache is None:
+                row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
+        end = min(len(row.prompt), row.fed + self.prefill_chunk)
+        last = end == len(row.prompt)
+        ids = mx.array([row.prompt[row.fed : end]], dtype=mx.int32)
+        out = self.target(ids, row.cache, keep=1 if last else 0)
+        row.fed = end
+        if not last:
+            mx.async_eval([a for a in row.cache.keys + row.cache.values if a is not None])
+            return True
+        self.pending.popleft()
+        seeds = mx.array([row.seed], dtype=mx.uint32)
+        logits = out.logits[:, -1]
+        if row.params.greedy:
+            first = mx.argmax(logits, axis=-1).astype(mx.int32)
+        else:
+            first = sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE))
+        if row.want_snapshot:
+            row.snapshot = row.cache.snapshot()
+        self._join(row, BatchState(first, out.hidden[:, -1], seeds))
+        mx.async_eval(first)
+        row.first = first
+        self._joined.append(row)
+        return True
+
+    def _join(self, row: _Row, state: BatchState) -> None:
         if self.cache is None:
-            self.cache, self.rows = cache, [row]
-            self.state = RoundState(state.tokens, state.hidden, self.target.shared_kv(cache))
-            return
-        self.cache.extend(cache)
-        self.rows.append(row)
-        self.state = RoundState(
-            mx.concatenate([self.state.tokens, state.tokens]),
-            mx.concatenate([self.state.hidden, state.hidden.astype(self.state.hidden.dtype)]),
-            self.target.shared_kv(self.cache),
-        )
+            self.cache, self.state, self.rows = row.cache, state, [row]
+        else:
+            self.cache.extend(row.cache)
+            self.rows.append(row)
+            s = self.state
+            self.state = BatchState(mx.concatenate([s.tokens, state.tokens]),
+                                    mx.concatenate([s.hidden, state.hidden.astype(s.hidden.dtype)]),
+                                    mx.concatenate([s.seeds, state.seeds]))
+        row.cache = None
 
-    def _drop_finished(self) -> None:
-        keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
-        if len(keep) == len(self.rows):
+    def _read_first(self) -> list[RowEvent]:
+        events = []
+        for row in self._joined:
+            first = int(row.first.item())
+            row.stats.prompt_tokens = row.fed
+            self.stats.prompt_tokens += row.fed
+            row.stats.prompt_seconds = row.stats.first_token_seconds = time.perf_counter() - row.began
+            self.stats.prompt_seconds += row.stats.prompt_seconds
+            if row.finish_reason is None:
+                events.append(self._deliver_first(row, first))
+        self._joined = []
+        return events
+
+    def _deliver_first(self, row: _Row, token: int) -> RowEvent:
+        row.tokens.append(token)
+        row.stats.emitted += 1
+        self.stats.emitted += 1
+        if token in row.stop_ids:
+            row.finish_reason = "stop"
+        elif row.max_tokens <= 1 or row.start + row.fed + 1 >= self.limit:
+            row.finish_reason = "length"
+        return RowEvent(row.uid, [token], [False], row.finish_reason, row.stats)
+
+    # ---- leaving -----------------------------------------------------------------------------
+
+    def _retire(self) -> None:
+        """Take finished rows out of the batch (their results still in flight are ignored)."""
+        if not any(r.finish_reason for r in self.rows):
             return
+        keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
+        for i, row in enumerate(self.rows):
+            if row.finish_reason is not None:
+                self._leave(row, self.cache.take(i) if row.keep_cache else None)
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache, self.state = None, None
+            self.cache = self.state = None
             return
         self.cache.select(keep)
         index = mx.array(keep, dtype=mx.int32)
-        self.state = RoundState(self.state.tokens[index], self.state.hidden[index],
-                                self.target.shared_kv(self.cache))
+        s = self.state
+        self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index])
 
-    def _room(self) -> int:
-        limit = self.target.config.max_position_embeddings
-        return limit - int(self.cache.offset.max()) - 1
+    def _leave(self, row: _Row, cache: Optional[KVCache]) -> None:
+        if row.keep_cache and cache is not None:
+            cache.truncate([row.length])  # undo what was queued past the tokens handed out
+            row.cache = cache
+            self._gone[row.uid] = row
 
-    def _split(self):
-        self.key, sub = split_key(self.key)
-        return sub
+
+def _seed(seed: Optional[int]) -> int:
+    if seed is None:
+        return secrets.randbits(32)
+    if int(seed) != seed:
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    return int(seed) % 2**32

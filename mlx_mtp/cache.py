@@ -1,23 +1,25 @@
-"""One KV cache per sequence batch, owned by the target and read in place by the drafter.
+"""One KV cache per batch of sequences, owned by the target and read in place by the drafter.
 
-Every slot carries the absolute position of the token stored in it (-1 = empty, padding or
-rolled back), and all masks are derived from positions. That one rule covers causal and
-sliding-window masks, left padding, ragged per-row rollback and the drafter's own masks,
-and it makes rollback after the sliding window has wrapped an ordinary operation: sliding
-layers are linear buffers that retain `window + 1 + max_rollback` positions and are
-compacted every few tokens, never rotated in place.
+Every slot carries the absolute position of the token stored in it (-1 = empty or rolled back)
+and every mask is derived from positions, so causal and sliding masks, ragged rows and the
+drafter's own masks follow one rule. Slots are addressed by position: full-attention layers
+store position t in slot t (the buffer grows), sliding layers in slot t mod C of a ring of
+C = window + 1 + max_rollback slots. Rolling back is then only a matter of marking positions
+empty, which the speculative round does on the device (`rollback_to`) without the host ever
+reading how many drafts were accepted; a host-side `trim`/`rollback` checks that the positions
+it needs are still retained and either succeeds exactly or raises `CacheError`.
 
-Rollback (`trim`, `rollback`) either succeeds exactly or raises `CacheError`.
+The host keeps an upper bound of each row's length (`bound`); it is exact until a device-side
+rollback, and `sync()` makes it exact again.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
-
-from .models.base import SharedKV
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -27,22 +29,64 @@ class CacheError(RuntimeError):
     """A cache operation that cannot be done exactly (e.g. rollback past retained slots)."""
 
 
+class SharedKV(NamedTuple):
+    """A read-only view of one store layer's K/V as the drafter needs it.
+
+    keys/values: (B, n_kv, T, head_dim). positions: (B, T) int32 absolute positions of
+    each slot, -1 for empty or rolled-back slots; masks are derived from these.
+    """
+
+    keys: mx.array
+    values: mx.array
+    positions: mx.array
+
+
+class Step(NamedTuple):
+    """What one forward over L new tokens per row needs besides the weights."""
+
+    positions: mx.array  # (B, L) int32 query positions
+    offset: Union[mx.array, int]  # RoPE offset of the first query, (B,) or one int for all rows
+    masks: dict  # layer type -> (B, 1, L, T) bool, or None when every returned slot is visible
+    writes: dict  # layer type -> _Write (cache internals)
+
+    def last(self, n: int) -> "Step":
+        """The same forward restricted to its last `n` queries (layers whose other outputs
+        are never used)."""
+        L = self.positions.shape[1]
+        offset = self.offset + (L - n)
+        masks = {t: None if m is None else m[:, :, L - n :] for t, m in self.masks.items()}
+        return Step(self.positions[:, L - n :], offset, masks, self.writes)
+
+
+@dataclasses.dataclass
+class _Write:
+    slots: mx.array  # (B, count) slots receiving this forward's last `count` tokens
+    count: int  # tokens written: all L, or the last C of a chunk longer than a ring of C slots
+    concat: bool  # attend over the old slots plus the new K/V (a chunk longer than the ring allows)
+    view: slice  # slots returned to attention
+
+
+@dataclasses.dataclass
 class _Track:
     """Slot bookkeeping shared by every cached layer of one attention type."""
 
-    def __init__(self, batch_size: int, window: Optional[int], keep: Optional[int], step: int):
-        self.window = window  # None: full attention
-        self.keep = keep  # positions a sliding track retains; None: everything
-        self.step = step
-        self.pos = mx.full((batch_size, 0), -1, dtype=mx.int32)
-        self.length = 0  # slots in use (shared by all rows)
-        # Per row: every position below this has been evicted (sliding tracks only).
-        self.evicted = np.zeros(batch_size, dtype=np.int64)
-        self.holes = False  # True when -1 slots (padding, ragged rollback) lie inside the used slots
+    window: Optional[int]  # None: full attention
+    capacity: int
+    pos: mx.array  # (B, capacity) int32
 
     @property
-    def capacity(self) -> int:
-        return self.pos.shape[1]
+    def ring(self) -> bool:
+        return self.window is not None
+
+
+class Snapshot(NamedTuple):
+    """The sliding layers of a one-row cache at `offset` (see `KVCache.snapshot`)."""
+
+    offset: int
+    top: int
+    pos: mx.array
+    keys: dict
+    values: dict
 
 
 class KVCache:
@@ -52,139 +96,170 @@ class KVCache:
         layer_types: attention type of each cached layer (index = cache slot of the layer).
         sliding_window: the target's window W (a query sees W keys including itself).
         batch_size: number of rows.
-        max_rollback: how many most-recent tokens `trim` must always be able to undo;
-            speculative decoding needs K + 1 for K drafts.
-        step: growth / compaction granularity in slots.
+        max_rollback: how many most recent tokens can always be rolled back.
+        step: growth granularity of full-attention buffers, in slots.
     """
 
-    def __init__(
-        self,
-        layer_types: Sequence[str],
-        sliding_window: int,
-        batch_size: int = 1,
-        max_rollback: int = 0,
-        step: int = 256,
-    ):
+    def __init__(self, layer_types: Sequence[str], sliding_window: int, batch_size: int = 1,
+                 max_rollback: int = 0, step: int = 256):
         self.layer_types = list(layer_types)
         self.window = sliding_window
         self.max_rollback = max_rollback
-        # The drafter reads the last W + 1 sliding positions (the reference convention).
-        keep = sliding_window + 1 + max_rollback
-        self.tracks = {
-            FULL: _Track(batch_size, None, None, step),
-            SLIDING: _Track(batch_size, sliding_window, keep, min(step, max(16, keep // 2))),
-        }
+        self.step = step
+        ring = sliding_window + 1 + max_rollback  # the drafter reads the last W + 1 positions
+        self.tracks = {FULL: _Track(None, 0, _empty(batch_size, 0)),
+                       SLIDING: _Track(sliding_window, ring, _empty(batch_size, ring))}
         self.keys: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.values: list[Optional[mx.array]] = [None] * len(self.layer_types)
-        self.offset = np.zeros(batch_size, dtype=np.int64)  # next position of each row
-        self._unmasked = False
+        self.offset = mx.zeros((batch_size,), dtype=mx.int32)  # next position of each row
+        self.bound = np.zeros(batch_size, dtype=np.int64)  # upper bound of `offset`
+        self.top = np.zeros(batch_size, dtype=np.int64)  # upper bound of 1 + the last written position
+        self.exact = True  # bound == offset
 
     @property
     def batch_size(self) -> int:
-        return len(self.offset)
+        return len(self.bound)
+
+    def offsets(self) -> np.ndarray:
+        """Each row's length (syncs with the device if a rollback happened there)."""
+        self.sync()
+        return self.bound.copy()
+
+    def settle(self, rows: Sequence[int], lengths: Sequence[int], ahead: int, reach: int) -> None:
+        """Tighten the host's bounds: rows `rows` had lengths `lengths` (read by the driver),
+        forwards of at most `ahead` tokens were queued since, and no position at or past
+        `lengths + reach` was ever written."""
+        index, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        self.bound[index] = np.minimum(self.bound[index], lengths + ahead)
+        self.top[index] = np.minimum(self.top[index], lengths + reach)
+
+    def sync(self) -> None:
+        if not self.exact:
+            self.bound = np.array(self.offset).astype(np.int64)
+            self.exact = True
 
     # ---- forward pass ---------------------------------------------------------------
 
-    def begin(self, length: int, pad: Optional[Sequence[int]] = None) -> tuple[mx.array, mx.array]:
-        """Reserve `length` slots per row for the next forward.
+    def begin(self, length: int) -> Step:
+        """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
+        positions = self.offset[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        self._grow(int(self.bound.max(initial=0)) + length)
+        single = self.exact and self.batch_size == 1
+        offset = int(self.bound[0]) if single else self.offset
+        masks, writes = {}, {}
+        for name, track in self.tracks.items():
+            writes[name], masks[name] = self._write_positions(track, positions, length, single)
+        self.offset = self.offset + length
+        self.bound = self.bound + length
+        self.top = np.maximum(self.top, self.bound)
+        return Step(positions, offset, masks, writes)
 
-        Args:
-            length: tokens per row in this forward.
-            pad: left-padding tokens per row in this chunk (not real tokens).
+    def _write_positions(self, track: _Track, positions: mx.array, length: int, single: bool):
+        """Store the new positions in the track; return the write plan and the mask."""
+        end = int(self.bound.max(initial=0)) + length
+        if not track.ring:
+            write = _Write(positions, length, False, slice(0, end))
+            track.pos = mx.put_along_axis(track.pos, positions, positions, axis=1)
+            unmasked = single and length == 1
+            return write, None if unmasked else _visible(track.pos[:, :end], positions, None)
+        C, W = track.capacity, track.window
+        slots = positions % C
+        if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
+            n = min(length, C)
+            kpos = mx.concatenate([track.pos, positions], axis=1)
+            write = _Write(slots[:, length - n :], n, True, slice(0, C))
+            track.pos = mx.put_along_axis(track.pos, write.slots, positions[:, length - n :], axis=1)
+            return write, _visible(kpos, positions, W)
+        track.pos = mx.put_along_axis(track.pos, slots, positions, axis=1)
+        if single and length == 1 and end <= C:  # not wrapped yet: the window is a plain slice
+            return _Write(slots, length, False, slice(max(0, end - W), end)), None
+        return _Write(slots, length, False, slice(0, C)), _visible(track.pos, positions, W)
 
-        Returns:
-            (positions, rope_offset): (B, L) int32 query positions (-1 for padding) and the
-            (B,) per-row RoPE offset of the chunk's first token.
-        """
-        pad_np = np.zeros(self.batch_size, dtype=np.int64) if pad is None else np.asarray(pad)
-        start = self.offset - pad_np
-        qpos = start[:, None] + np.arange(length)[None, :]
-        qpos = np.where(np.arange(length)[None, :] >= pad_np[:, None], qpos, -1)
-        qpos_mx = mx.array(qpos.astype(np.int32))
-        for track in self.tracks.values():
-            self._reserve(track, length)
-            track.pos[:, track.length : track.length + length] = qpos_mx
-            track.length += length
-            track.holes = track.holes or bool(pad_np.any())
-        self.offset = self.offset + (length - pad_np)
-        # One token of one row over hole-free slots: no mask needed (sliding layers get a
-        # window-sized view instead), which keeps plain decoding cheap.
-        self._unmasked = length == 1 and self.batch_size == 1 and not any(
-            t.holes for t in self.tracks.values())
-        return qpos_mx, mx.array(start.astype(np.int32))
-
-    def attention_mask(self, layer_type: str, qpos: mx.array) -> Optional[mx.array]:
-        """The mask for this forward's attention: None when `update` returns exactly the
-        visible slots (one query, no holes), else `mask`."""
-        return None if self._unmasked else self.mask(layer_type, qpos)
-
-    def mask(self, layer_type: str, qpos: mx.array) -> mx.array:
-        """Boolean (B, 1, L, T) mask for queries at `qpos` over this type's slots."""
-        track = self.tracks[layer_type]
-        kpos = track.pos[:, None, : track.length]  # (B, 1, T)
-        q = qpos[:, :, None]  # (B, L, 1)
-        visible = (kpos >= 0) & (kpos <= q)
-        if track.window is not None:
-            visible = visible & (kpos > q - track.window)
-        return visible[:, None]
-
-    def update(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write this forward's K/V for `layer`; return all of its slots."""
-        track = self.tracks[self.layer_types[layer]]
-        end = track.length
-        begin = end - keys.shape[2]
-        buf_k, buf_v = self._buffers(layer, keys, values, track.capacity)
-        buf_k[..., begin:end, :] = keys
-        buf_v[..., begin:end, :] = values
-        self.keys[layer], self.values[layer] = buf_k, buf_v
-        first = max(0, end - track.window) if self._unmasked and track.window else 0
-        return buf_k[..., first:end, :], buf_v[..., first:end, :]
+    def update(self, layer: int, keys: mx.array, values: mx.array, step: Step) -> tuple[mx.array, mx.array]:
+        """Store this forward's K/V for `layer`; return the K/V its queries attend over
+        (matching `step.masks` for the layer's type)."""
+        write = step.writes[self.layer_types[layer]]
+        capacity = self.tracks[self.layer_types[layer]].capacity
+        buf_k, buf_v = self._buffers(layer, keys, values, capacity)
+        n = write.count
+        new_k, new_v = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
+        index = write.slots[:, None, :, None]
+        self.keys[layer] = mx.put_along_axis(buf_k, index, new_k, axis=2)
+        self.values[layer] = mx.put_along_axis(buf_v, index, new_v, axis=2)
+        if write.concat:
+            return mx.concatenate([buf_k, keys], axis=2), mx.concatenate([buf_v, values], axis=2)
+        return self.keys[layer][:, :, write.view], self.values[layer][:, :, write.view]
 
     def shared_kv(self, layer: int) -> SharedKV:
-        """Zero-copy view of `layer`'s K/V and slot positions (what the drafter reads)."""
+        """View of `layer`'s K/V and slot positions (what the drafter reads)."""
         track = self.tracks[self.layer_types[layer]]
-        n = track.length
-        return SharedKV(self.keys[layer][..., :n, :], self.values[layer][..., :n, :], track.pos[:, :n])
+        end = track.capacity if track.ring else int(self.bound.max(initial=0))
+        return SharedKV(self.keys[layer][:, :, :end], self.values[layer][:, :, :end], track.pos[:, :end])
 
     # ---- rollback -------------------------------------------------------------------
+
+    def rollback_to(self, offset: mx.array) -> None:
+        """Set each row's length to `offset` (B,) on the device, forgetting later positions.
+        The caller guarantees it lies within `max_rollback` of every row's last write."""
+        for track in self.tracks.values():
+            track.pos = mx.where(track.pos >= offset[:, None], -1, track.pos)
+        self.offset = offset.astype(mx.int32)
+        self.exact = False
 
     def trim(self, n: int) -> None:
         """Remove the last `n` tokens of every row; exact or raises CacheError."""
         self.rollback([n] * self.batch_size)
 
     def rollback(self, n_per_row: Sequence[int]) -> None:
-        """Remove the last `n_per_row[b]` tokens of row b (ragged speculative rollback)."""
+        """Remove the last `n_per_row[b]` tokens of row b; exact or raises CacheError."""
         n = np.asarray(n_per_row, dtype=np.int64)
-        if n.shape != self.offset.shape or (n < 0).any():
+        if n.shape != self.bound.shape or (n < 0).any():
             raise CacheError(f"rollback needs {self.batch_size} non-negative counts, got {list(n_per_row)}")
-        common = int(n.min())
-        new_offset = self.offset - n
-        for name, track in self.tracks.items():
-            self._check_rollback(name, track, n, new_offset)
-        for track in self.tracks.values():
-            if common:
-                track.pos[:, track.length - common : track.length] = -1
-                track.length -= common
-            if (n > common).any():
-                # Ragged tails become holes: their slots stay but are masked out.
-                kpos = track.pos[:, : track.length]
-                limit = mx.array(new_offset.astype(np.int32))[:, None]
-                track.pos[:, : track.length] = mx.where(kpos >= limit, -1, kpos)
-                track.holes = True
-        self.offset = new_offset
+        self.sync()
+        self.truncate(self.bound - n)
 
-    def _check_rollback(self, name: str, track: _Track, n: np.ndarray, new_offset: np.ndarray):
-        if (new_offset < 0).any():
-            raise CacheError(f"cannot roll back {n.tolist()} tokens: rows hold only {self.offset.tolist()}")
-        if track.window is not None:
-            need_from = np.maximum(0, new_offset - (track.window + 1))
-            if (track.evicted > need_from).any():
-                raise CacheError(
-                    f"cannot roll back {n.tolist()} tokens: the sliding-window cache retains only "
-                    f"{track.keep} positions (window {track.window} + 1 + max_rollback {self.max_rollback})"
-                )
-        if (n > track.length).any():
-            raise CacheError(f"cannot roll back {n.tolist()} tokens: only {track.length} slots in {name}")
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Set each row's length to `lengths[b]` (host-known); exact or raises CacheError.
+        Valid while the device length is at most `max_rollback` past it (or any time for rows
+        whose kept positions were never evicted)."""
+        new = np.asarray(lengths, dtype=np.int64)
+        if (new < 0).any() or (new > self.bound).any():
+            raise CacheError(f"cannot set lengths {new.tolist()}: rows hold at most {self.bound.tolist()}")
+        ring = self.tracks[SLIDING]
+        needed = np.maximum(new - (self.window + 1), 0)
+        retained = np.maximum(self.top - ring.capacity, 0)
+        if (needed < retained).any():
+            raise CacheError(
+                f"cannot roll back to {new.tolist()}: the sliding-window cache retains only {ring.capacity} "
+                f"positions (window {self.window} + 1 + max_rollback {self.max_rollback})")
+        self.rollback_to(mx.array(new.astype(np.int32)))
+        self.bound, self.exact = new, True
+
+    # ---- turn boundaries ----------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """The sliding layers of a one-row cache as they are now: `restore` brings the cache
+        back to this length later even after the window has moved past it."""
+        if self.batch_size != 1:
+            raise CacheError("only a one-row cache can be snapshotted")
+        self.sync()
+        idx = [i for i, t in enumerate(self.layer_types) if t == SLIDING]
+        return Snapshot(int(self.bound[0]), int(self.top[0]), self.tracks[SLIDING].pos,
+                        {i: self.keys[i] for i in idx}, {i: self.values[i] for i in idx})
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return a one-row cache to a snapshot taken from it at a shorter or equal length."""
+        self.sync()
+        if self.batch_size != 1 or snap.offset > int(self.bound[0]):
+            raise CacheError(f"cannot restore a snapshot at {snap.offset} into a cache of {self.bound.tolist()}")
+        full = self.tracks[FULL]
+        full.pos = mx.where(full.pos >= snap.offset, -1, full.pos)
+        self.tracks[SLIDING].pos = snap.pos
+        for i in snap.keys:
+            self.keys[i], self.values[i] = snap.keys[i], snap.values[i]
+        self.offset = mx.array([snap.offset], dtype=mx.int32)
+        self.bound = np.array([snap.offset], dtype=np.int64)
+        self.top = np.array([snap.top], dtype=np.int64)
 
     # ---- batch membership -------------------------------------------------------------
 
@@ -194,36 +269,45 @@ class KVCache:
         index = mx.array(rows_np.astype(np.int32))
         for track in self.tracks.values():
             track.pos = track.pos[index]
-            track.evicted = track.evicted[rows_np]
         for i, buf in enumerate(self.keys):
             if buf is not None:
                 self.keys[i], self.values[i] = buf[index], self.values[i][index]
-        self.offset = self.offset[rows_np]
+        self.offset = self.offset[index]
+        self.bound, self.top = self.bound[rows_np], self.top[rows_np]
+        self._shrink()
+
+    def take(self, row: int) -> "KVCache":
+        """A new one-row cache holding `row` (arrays are values: nothing is shared mutably)."""
+        out = KVCache(self.layer_types, self.window, 1, self.max_rollback, self.step)
+        pick = slice(row, row + 1)
+        for name, track in self.tracks.items():
+            out.tracks[name] = _Track(track.window, track.capacity, track.pos[pick])
+        out.keys = [None if a is None else a[pick] for a in self.keys]
+        out.values = [None if a is None else a[pick] for a in self.values]
+        out.offset = self.offset[pick]
+        out.bound, out.top, out.exact = self.bound[pick].copy(), self.top[pick].copy(), self.exact
+        out._shrink()
+        return out
 
     def extend(self, other: "KVCache") -> None:
-        """Append `other`'s rows (sequences joining a batch). Slots are aligned on the right,
-        the shorter side left-padded with empty (-1) slots."""
+        """Append `other`'s rows (sequences joining a batch)."""
         if (other.layer_types, other.window, other.max_rollback) != (self.layer_types, self.window, self.max_rollback):
             raise CacheError("cannot join caches of different models or rollback budgets")
+        capacity = max(self.tracks[FULL].capacity, other.tracks[FULL].capacity)
+        self._resize_full(capacity)
+        other._resize_full(capacity)
         for name, track in self.tracks.items():
-            theirs = other.tracks[name]
-            length = max(track.length, theirs.length)
-            capacity = length + track.step
-            mine_idx, their_idx = track.length, theirs.length
-            track.pos = mx.concatenate(
-                [_right_align(track.pos, mine_idx, length, capacity, -1),
-                 _right_align(theirs.pos, their_idx, length, capacity, -1)], axis=0)
-            for i, kind in enumerate(self.layer_types):
-                if kind != name:
-                    continue
-                for bufs, obufs in ((self.keys, other.keys), (self.values, other.values)):
-                    bufs[i] = mx.concatenate(
-                        [_right_align(bufs[i], mine_idx, length, capacity, 0, axis=2),
-                         _right_align(obufs[i], their_idx, length, capacity, 0, axis=2)], axis=0)
-            track.length = length
-            track.evicted = np.concatenate([track.evicted, theirs.evicted])
-            track.holes = track.holes or theirs.holes or mine_idx != their_idx
-        self.offset = np.concatenate([self.offset, other.offset])
+            track.pos = mx.concatenate([track.pos, other.tracks[name].pos])
+        for bufs, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for i, (mine, their) in enumerate(zip(bufs, theirs)):
+                if mine is not None or their is not None:
+                    like = mine if mine is not None else their
+                    bufs[i] = mx.concatenate([_rows_or_zeros(mine, self.batch_size, like),
+                                              _rows_or_zeros(their, other.batch_size, like)])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.bound = np.concatenate([self.bound, other.bound])
+        self.top = np.concatenate([self.top, other.top])
+        self.exact = self.exact and other.exact
 
     # ---- memory ---------------------------------------------------------------------
 
@@ -231,70 +315,29 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values if a is not None)
 
-    def capacity(self, layer_type: str) -> int:
-        return self.tracks[layer_type].capacity
+    def _grow(self, needed: int) -> None:
+        full = self.tracks[FULL]
+        if needed > full.capacity:
+            self._resize_full(-(-(needed + self.step // 2) // self.step) * self.step)
 
-    def _reserve(self, track: _Track, length: int) -> None:
-        """Make room for `length` more slots, compacting sliding tracks."""
-        over_keep = track.keep is not None and track.length > track.keep + track.step
-        if track.length + length <= track.capacity and not over_keep:
+    def _shrink(self) -> None:
+        needed = -(-(int(self.top.max(initial=0)) + 1) // self.step) * self.step
+        if needed < self.tracks[FULL].capacity:
+            self._resize_full(needed)
+
+    def _resize_full(self, capacity: int) -> None:
+        """Full-attention buffers with `capacity` slots (slot = position, so no data moves)."""
+        full = self.tracks[FULL]
+        if capacity == full.capacity:
             return
-        index = self._kept_slots(track)
-        kept = index.shape[1]
-        capacity = kept + max(length, track.step)
-        self._relayout(track, index, capacity)
-
-    def _kept_slots(self, track: _Track) -> np.ndarray:
-        """(B, kept) slot indices to retain, left-padded with -1; drops holes and evicted slots."""
-        pos = np.array(track.pos[:, : track.length])
-        need = pos >= 0
-        if track.keep is not None:
-            need &= pos >= (self.offset - track.keep)[:, None]
-        counts = need.sum(axis=1)
-        width = int(counts.max(initial=0))
-        index = np.full((self.batch_size, width), -1, dtype=np.int64)
-        for b in range(self.batch_size):
-            slots = np.nonzero(need[b])[0]
-            index[b, width - len(slots) :] = slots
-        if track.keep is not None:
-            dropped = np.where(pos >= 0, pos, -1)
-            dropped = np.where(need, -1, dropped).max(axis=1, initial=-1)
-            track.evicted = np.maximum(track.evicted, dropped + 1)
-        return index
-
-    def _relayout(self, track: _Track, index: np.ndarray, capacity: int) -> None:
-        """Move kept slots to the front of freshly sized buffers."""
-        B, kept = index.shape
-        contiguous = kept == 0 or (
-            (index >= 0).all() and (index == index[:1, :1] + np.arange(kept)).all()
-        )
-        first = int(index[0, 0]) if kept else 0
-        safe = mx.array(np.maximum(index, 0).astype(np.int32))
-        pad = mx.array(index < 0)
-        pos = track.pos[:, first : first + kept] if contiguous else mx.take_along_axis(track.pos, safe, axis=1)
-        pos = mx.where(pad, -1, pos) if not contiguous else pos
-        track.pos = mx.concatenate([pos, mx.full((B, capacity - kept), -1, dtype=mx.int32)], axis=1)
-        track.length = kept
-        track.holes = bool((index < 0).any())
+        full.pos = _fit(full.pos, capacity, -1, axis=1)
         for i, kind in enumerate(self.layer_types):
-            if self.tracks[kind] is not track or self.keys[i] is None:
-                continue
-            self.keys[i] = self._move(self.keys[i], first, kept, safe, contiguous, capacity)
-            self.values[i] = self._move(self.values[i], first, kept, safe, contiguous, capacity)
-
-    @staticmethod
-    def _move(buf, first, kept, safe, contiguous, capacity):
-        B, H, _, D = buf.shape
-        if contiguous:
-            data = buf[..., first : first + kept, :]
-        else:
-            data = mx.take_along_axis(buf, safe[:, None, :, None], axis=2)
-        tail = mx.zeros((B, H, capacity - kept, D), dtype=buf.dtype)
-        return mx.concatenate([data, tail], axis=2)
+            if kind == FULL and self.keys[i] is not None:
+                self.keys[i] = _fit(self.keys[i], capacity, 0, axis=2)
+                self.values[i] = _fit(self.values[i], capacity, 0, axis=2)
+        full.capacity = capacity
 
     def _buffers(self, layer: int, keys: mx.array, values: mx.array, capacity: int):
-        """The layer's buffers, created at the track's capacity on first use (`_relayout`
-        resizes existing ones whenever the capacity changes)."""
         if self.keys[layer] is None:
             B, H, _, _ = keys.shape
             self.keys[layer] = mx.zeros((B, H, capacity, keys.shape[3]), dtype=keys.dtype)
@@ -302,13 +345,33 @@ class KVCache:
         return self.keys[layer], self.values[layer]
 
 
-def _right_align(buf: mx.array, used: int, length: int, capacity: int, fill, axis: int = 1) -> mx.array:
-    """buf[..., :used] placed at [length - used, length) of a `capacity`-long axis."""
-    data = buf[:, :used] if axis == 1 else buf[:, :, :used]
+def _empty(batch_size: int, width: int) -> mx.array:
+    return mx.full((batch_size, width), -1, dtype=mx.int32)
 
-    def filler(width):
-        shape = list(data.shape)
-        shape[axis] = width
-        return mx.full(shape, fill, dtype=buf.dtype)
 
-    return mx.concatenate([filler(length - used), data, filler(capacity - length)], axis=axis)
+def _rows_or_zeros(buf: Optional[mx.array], rows: int, like: mx.array) -> mx.array:
+    """`buf` in `like`'s dtype, or zeros shaped like `like` for `rows` rows without K/V yet."""
+    if buf is None:
+        return mx.zeros((rows, *like.shape[1:]), dtype=like.dtype)
+    return buf.astype(like.dtype)
+
+
+def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int]) -> mx.array:
+    """(B, 1, L, T): key slot at kpos is visible to the query at qpos."""
+    k, q = kpos[:, None, :], qpos[:, :, None]
+    visible = (k >= 0) & (k <= q)
+    if window is not None:
+        visible = visible & (k > q - window)
+    return visible[:, None]
+
+
+def _fit(buf: mx.array, capacity: int, fill, axis: int) -> mx.array:
+    """`buf` cut or padded with `fill` to `capacity` along `axis`."""
+    size = buf.shape[axis]
+    if capacity <= size:
+        index = [slice(None)] * buf.ndim
+        index[axis] = slice(0, capacity)
+        return buf[tuple(index)]
+    shape = list(buf.shape)
+    shape[axis] = capacity - size
+    return mx.concatenate([buf, mx.full(shape, fill, dtype=buf.dtype)], axis=axis)

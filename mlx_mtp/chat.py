@@ -8,7 +8,10 @@ terminal it reads one message per line from stdin.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -85,8 +88,7 @@ def open_conversation(args) -> tuple[Conversation, str]:
         raise ValueError(f"{model}'s tokenizer has no chat template")
     k = args.draft_tokens
     mode = f"MTP, draft tokens {k}" if drafter is not None else "plain decoding"
-    max_rollback = max(7, k + 1) if isinstance(k, int) else None
-    return Conversation(loaded, system=args.system, max_rollback=max_rollback), f"{what}; {mode}"
+    return Conversation(loaded, system=args.system), f"{what}; {mode}"
 
 
 def stat_line(s: Stats) -> str:
@@ -99,7 +101,7 @@ def stat_line(s: Stats) -> str:
 def details(conv: Conversation) -> str:
     memory = "KV cache: empty"
     if conv.cache is not None:
-        memory = f"KV cache: {len(conv.tokens)} tokens, {conv.cache.nbytes / 2**20:.1f} MiB"
+        memory = f"KV cache: {conv.cached} tokens, {conv.cache.nbytes / 2**20:.1f} MiB"
     if conv.last_stats is None:
         return f"no reply yet\n{memory}"
     s = conv.last_stats
@@ -110,14 +112,37 @@ def details(conv: Conversation) -> str:
 def answer(conv: Conversation, text: str, options: dict) -> None:
     stream, stats = conv.reply(text, **options), None
     try:
-        for event in stream:
-            print(event.text, end="", flush=True)
-            stats = event.stats
-    except KeyboardInterrupt:
+        with ctrl_c() as stop:
+            for event in stream:
+                print(event.text, end="", flush=True)
+                stats = event.stats
+                if stop.is_set():
+                    break
+    except KeyboardInterrupt:  # a second Ctrl-C: the conversation keeps what was written
+        pass
+    finally:
         stream.close()
     print(flush=True)
     if stats is not None:
         print(stat_line(stats), file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def ctrl_c():
+    """Ctrl-C stops the reply at the next token, where the conversation and its cache are in a
+    consistent state; a second Ctrl-C interrupts at once."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def lines(interactive: bool) -> Iterator[str]:

@@ -1,5 +1,5 @@
-"""An engine for apps: one worker thread owns every MLX call; callers on any thread submit
-requests and read each request's events from its own queue.
+"""An engine for apps: one worker thread owns every MLX call and serves many requests at once;
+callers on any thread submit requests and read each request's events from its own queue.
 
     with Engine(mlx_mtp.load(model, drafter)) as engine:
         chat = engine.new_conversation(system="Be brief.")
@@ -7,27 +7,44 @@ requests and read each request's events from its own queue.
             if event.kind == "token":
                 print(event.text, end="")
 
-Requests run one at a time, first in first out. The worker takes one item at a time from its
-inbox and serves a request token by token, so a batching scheduler can later replace `_serve`
-without changing handles, events or conversations.
+The worker is an admission loop around one `BatchGenerator`: between rounds it admits queued
+requests (up to `max_batch` rows, first in first out, while their KV cache fits the memory
+limit), cancels what was cancelled, runs one step (a prompt chunk and a speculative round for
+every row), delivers the events, and retires finished rows. A conversation runs one request
+at a time; its KV cache goes into the batch with its request and comes back after.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
 
-from .conversation import Conversation
-from .generate import stream_generate
+import mlx.core as mx
+
+from .batch import BatchGenerator, Left
+from .cache import FULL, SLIDING
+from .conversation import Conversation, Turn
+from .generate import Detokenizer, encode
 from .sample import SamplingParams
+from .speculative import MAX_ROLLBACK, check_draft_tokens
 from .stats import Stats
 from .threads import mark_mlx_thread
 
 log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine's `max_queue`."""
+
+
+class MemoryLimitError(ValueError):
+    """A request whose KV cache alone would exceed the engine's memory limit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +72,10 @@ class Request:
                 raise ValueError("a conversation request takes the user's message as a str `prompt`")
         elif (self.prompt is None) == (self.messages is None):
             raise ValueError("a one-shot request takes exactly one of `prompt` and `messages`")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.max_tokens, bool) or int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.draft_tokens != "auto":
+            check_draft_tokens(self.draft_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +100,7 @@ class DoneEvent:
 
 @dataclasses.dataclass(frozen=True)
 class ErrorEvent:
-    """The last event of a request that failed; the engine goes on with the next one."""
+    """The last event of a request that failed; the other requests go on."""
 
     error: BaseException
     kind: ClassVar[str] = "error"
@@ -97,10 +116,10 @@ Event = Union[TokenEvent, DoneEvent, ErrorEvent]
 class RequestHandle:
     """A submitted request: iterate it (or `events(timeout)`) for its events; `cancel()` it."""
 
-    def __init__(self, request_id: int, request: Request, conversation: Optional[Conversation]):
+    def __init__(self, request_id: int, request: Request, conversation_id: Optional[int]):
         self.id = request_id
         self.request = request
-        self._conversation = conversation
+        self.conversation_id = conversation_id
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._state = "queued"  # -> "running" -> "finished"
@@ -108,7 +127,7 @@ class RequestHandle:
         self._seen_last = False
 
     def cancel(self) -> None:
-        """Stop the request at the next token boundary; its stream ends with a "cancelled"
+        """Stop the request at the next round boundary; its stream ends with a "cancelled"
         DoneEvent. A request that has not started yet never runs."""
         with self._lock:
             if self._state == "queued":
@@ -164,28 +183,59 @@ class RequestHandle:
                 self._events.put(event)
 
 
+@dataclasses.dataclass
+class _Running:
+    handle: RequestHandle
+    detok: Detokenizer
+    conversation: Optional[Conversation] = None
+    turn: Optional[Turn] = None
+    text: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+    kv_bytes: int = 0
+
+
+@dataclasses.dataclass
+class _Command:
+    conversation_id: int
+    run: Callable[[], None]
+
+
 _STOP = object()
 
 
 class Engine:
-    """Serves requests for one loaded model on a worker thread.
+    """Serves requests for one loaded model on a worker thread, many at once.
 
-    Conversations live in the engine and share the model; each has its own KV cache, made
-    when its first request runs and freed by `close_conversation`.
+    Args:
+        loaded: a `load()`ed model (with a drafter for MTP).
+        max_batch: rows generated together; more requests wait (first in, first out).
+        max_queue: waiting requests beyond which `submit` raises `QueueFull`.
+        prefill_chunk: prompt tokens processed per round.
+        memory_limit: bytes the batch's KV cache may take (default: half the device memory).
+        draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
 
-    Cancelling a conversation request keeps the partial reply in the conversation, exactly
-    as streamed (the DoneEvent's `tokens`), like a chat app that shows a stopped reply; a
-    failed request leaves the conversation as it was.
+    Conversations live in the engine and share the model; each has its own KV cache, freed by
+    `close_conversation`. Cancelling a conversation request keeps the partial reply in the
+    conversation, exactly as streamed (the DoneEvent's `tokens`); a failed request leaves the
+    conversation as it was.
     """
 
-    def __init__(self, loaded, max_rollback: Optional[int] = None):
+    def __init__(self, loaded, max_batch: int = 8, max_queue: int = 256, prefill_chunk: int = 512,
+                 memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto"):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
-        self.max_rollback = max_rollback
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.memory_limit = memory_limit if memory_limit is not None else _device_memory() // 2
+        self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._conversations: dict[int, Conversation] = {}
         self._live: set[RequestHandle] = set()
+        self._waiting: collections.deque = collections.deque()  # worker side
+        self._running: dict[int, _Running] = {}  # row uid -> request (worker side)
+        self._metrics = {"requests_total": 0, "requests_waiting": 0, "requests_running": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlx_mtp-engine", daemon=True)
         self._thread.start()
@@ -197,20 +247,25 @@ class Engine:
 
         Raises:
             ValueError: a malformed request. KeyError: an unknown conversation.
-            RuntimeError: the engine is closed.
+            QueueFull: `max_queue` requests are already waiting. RuntimeError: the engine is closed.
         """
         request.check()
         with self._lock:
             self._check_open()
-            conversation = None if request.conversation is None else self._conversation(request.conversation)
-            handle = RequestHandle(next(self._ids), request, conversation)
+            if request.conversation is not None:
+                self._conversation(request.conversation)
+            if self._metrics["requests_waiting"] >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            handle = RequestHandle(next(self._ids), request, request.conversation)
             self._live.add(handle)
+            self._metrics["requests_waiting"] += 1
+            self._metrics["requests_total"] += 1
             self._inbox.put(handle)
         return handle
 
     def new_conversation(self, system: Optional[str] = None) -> int:
         """Start a conversation (optionally with a system message); returns its id."""
-        conversation = Conversation(self.loaded, system=system, max_rollback=self.max_rollback)
+        conversation = Conversation(self.loaded, system=system)
         with self._lock:
             self._check_open()
             conversation_id = next(self._ids)
@@ -221,20 +276,24 @@ class Engine:
         """Forget a conversation's turns once the requests queued before this call have run."""
         with self._lock:
             self._check_open()
-            self._inbox.put(self._conversation(conversation_id).reset)
+            self._inbox.put(_Command(conversation_id, self._conversation(conversation_id).reset))
 
     def close_conversation(self, conversation_id: int) -> None:
         """Forget a conversation; requests already queued for it still run, then its cache is freed."""
         with self._lock:
             self._check_open()
-            conversation = self._conversation(conversation_id)
-            del self._conversations[conversation_id]
-            self._inbox.put(conversation.reset)
+            conversation = self._conversations.pop(self._check_id(conversation_id))
+            self._inbox.put(_Command(conversation_id, conversation.reset))
 
     def messages(self, conversation_id: int) -> list[dict]:
         """A copy of a conversation's messages as of now."""
         with self._lock:
             return [dict(m) for m in list(self._conversation(conversation_id).messages)]
+
+    def metrics(self) -> dict:
+        """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
+        with self._lock:
+            return dict(self._metrics)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Cancel what is queued or running, stop the worker and wait for it."""
@@ -262,24 +321,29 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
 
+    def _check_id(self, conversation_id: int) -> int:
+        if conversation_id not in self._conversations:
+            raise KeyError(f"no open conversation {conversation_id}")
+        return conversation_id
+
     def _conversation(self, conversation_id: int) -> Conversation:
-        try:
-            return self._conversations[conversation_id]
-        except KeyError:
-            raise KeyError(f"no open conversation {conversation_id}") from None
+        return self._conversations[self._check_id(conversation_id)]
 
     # ---- worker side: the only thread that calls MLX ---------------------------------------
 
     def _run(self) -> None:
         mark_mlx_thread()
+        self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+        self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
         try:
-            while (item := self._inbox.get()) is not _STOP:
-                if isinstance(item, RequestHandle):
-                    self._serve(item)
-                    with self._lock:
-                        self._live.discard(item)
-                else:
-                    self._command(item)
+            while self._take_inbox():
+                self._admit()
+                self._cancel_rows()
+                if self._gen.busy:
+                    self._step()
+            for uid, run in list(self._running.items()):  # closing: end what still runs
+                done = DoneEvent("cancelled", "".join(run.text), tuple(run.tokens), Stats())
+                self._end(uid, run, done, left=self._gen.remove(uid))
         except BaseException as e:  # a bug in the loop itself: fail every waiting request
             with self._lock:
                 self._closed = True
@@ -291,45 +355,149 @@ class Engine:
             with self._lock:
                 self._conversations.clear()  # free the caches on this thread
 
-    def _serve(self, handle: RequestHandle) -> None:
-        if not handle._start():
-            return  # cancelled while queued
-        text, tokens, stats, finish = [], [], Stats(), "length"
-        try:
-            events = self._open(handle.request, handle._conversation)
+    def _take_inbox(self) -> bool:
+        """Move new requests and commands to the waiting line; block only when idle."""
+        idle = not self._gen.busy and not self._waiting
+        while True:
             try:
-                for event in events:
-                    handle._events.put(TokenEvent(event.text, event.token, event.from_draft))
-                    text.append(event.text)
-                    tokens.append(event.token)
-                    stats = event.stats
-                    if event.finish_reason:
-                        finish = event.finish_reason
-                    elif handle._cancel.is_set():
-                        finish = "cancelled"
-                        break
-            finally:
-                events.close()  # a conversation keeps the reply streamed so far
-        except Exception as e:
-            handle._finish(ErrorEvent(e))
-            return
-        handle._finish(DoneEvent(finish, "".join(text), tuple(tokens), stats))
+                item = self._inbox.get(block=idle)
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            self._waiting.append(item)
+            idle = False
 
-    def _open(self, request: Request, conversation: Optional[Conversation]):
-        kwargs = dict(
-            max_tokens=request.max_tokens, sampling=request.sampling, draft_tokens=request.draft_tokens,
-            mtp=request.mtp, seed=request.seed,
-        )
-        if conversation is not None:
-            return conversation.reply(request.prompt, **kwargs)
-        prompt = request.prompt
-        if request.messages is not None:
-            if self.loaded.tokenizer is None:
-                raise ValueError("`messages` need a tokenizer: the model directory has none")
-            prompt = self.loaded.tokenizer.apply_chat_template(
-                list(request.messages), add_generation_prompt=True
+    def _admit(self) -> None:
+        """Start waiting requests in order, while rows and memory allow; a conversation runs
+        one request (or command) at a time, in the order they came."""
+        busy = {r.handle.conversation_id for r in self._running.values()} - {None}
+        still: collections.deque = collections.deque()
+        blocked = False
+        for item in self._waiting:
+            key = item.conversation_id
+            if key is not None and key in busy or blocked and isinstance(item, RequestHandle):
+                still.append(item)
+                busy.add(key)
+                continue
+            if isinstance(item, _Command):
+                self._command(item.run)
+            elif not item.finished and not self._start(item):
+                still.append(item)
+                blocked = True  # first in, first out: nobody overtakes a request that must wait
+                busy.add(key)
+        self._waiting = still
+        self._update_counts()
+
+    def _start(self, handle: RequestHandle) -> bool:
+        """Insert a request into the batch; False when it has to wait for room."""
+        request = handle.request
+        if len(self._running) >= self.max_batch:
+            return False
+        conversation = self._conversations.get(handle.conversation_id) if handle.conversation_id else None
+        turn = None
+        try:
+            if conversation is None and request.conversation is not None:
+                raise KeyError(f"conversation {request.conversation} was closed")
+            if conversation is not None:
+                turn = conversation.prepare(request.prompt, request.max_tokens)
+                need = self._need(len(turn.prompt) + turn.max_tokens)
+            else:
+                prompt = self._prompt(request)
+                need = self._need(len(prompt) + request.max_tokens)
+            if need > self.memory_limit:
+                raise MemoryLimitError(f"the KV cache of this request ({need / 2**30:.2f} GiB) exceeds the "
+                                       f"engine's memory limit ({self.memory_limit / 2**30:.2f} GiB)")
+            if self._running and self._batch_need(need) > self.memory_limit:
+                if turn is not None:
+                    conversation.end(turn, [], _give_back(turn))
+                return False
+            options = dict(sampling=request.sampling, seed=request.seed, mtp=request.mtp,
+                           draft_tokens=request.draft_tokens)
+            if turn is not None:
+                uid = conversation.insert(self._gen, turn, **options)
+            else:
+                uid = self._gen.insert(prompt, max_tokens=request.max_tokens, stop_ids=self.loaded.eos_ids, **options)
+        except Exception as e:
+            if turn is not None:
+                conversation.end(turn, [], _give_back(turn))
+            handle._finish(ErrorEvent(e))
+            return True
+        if handle._start():
+            self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
+        else:  # cancelled meanwhile
+            self._gen.cancel(uid)
+            self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
+        return True
+
+    def _prompt(self, request: Request) -> list[int]:
+        if request.messages is None:
+            return encode(self.loaded, request.prompt)
+        if self.loaded.tokenizer is None:
+            raise ValueError("`messages` need a tokenizer: the model directory has none")
+        return list(self.loaded.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True))
+
+    def _need(self, tokens: int) -> int:
+        return (tokens + MAX_ROLLBACK) * self._token_bytes + self._ring_bytes
+
+    def _batch_need(self, need: int) -> int:
+        """The batch's KV bytes with one more row: full-attention buffers are as long as the
+        longest row's, for every row."""
+        rows = [r.kv_bytes for r in self._running.values()] + [need]
+        return len(rows) * max(rows)
+
+    def _cancel_rows(self) -> None:
+        for uid, run in self._running.items():
+            if run.handle._cancel.is_set():
+                self._gen.cancel(uid)
+
+    def _step(self) -> None:
+        try:
+            events = self._gen.step()
+        except Exception as e:  # the batch's state is unknown now: fail its rows, start afresh
+            log.exception("a generation step failed")
+            for uid, run in list(self._running.items()):
+                self._end(uid, run, ErrorEvent(e), left=None)
+            self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+            return
+        for event in events:
+            run = self._running.get(event.uid)
+            if run is None:
+                continue
+            for e in run.detok.events(event):
+                run.handle._events.put(TokenEvent(e.text, e.token, e.from_draft))
+                run.text.append(e.text)
+                run.tokens.append(e.token)
+            if event.finish_reason:
+                done = DoneEvent(event.finish_reason, "".join(run.text), tuple(run.tokens),
+                                 dataclasses.replace(event.stats))
+                self._end(event.uid, run, done, left=self._gen.remove(event.uid))
+        self._update_counts()
+
+    def _end(self, uid: int, run: _Running, event: Event, left) -> None:
+        del self._running[uid]
+        if run.conversation is not None:
+            with self._lock:
+                run.conversation.end(run.turn, run.tokens, left)
+        run.handle._finish(event)
+        with self._lock:
+            self._live.discard(run.handle)
+
+    def _update_counts(self) -> None:
+        s = self._gen.stats
+        waiting = sum(isinstance(i, RequestHandle) and not i.finished for i in self._waiting)
+        with self._lock:
+            self._metrics.update(
+                requests_running=len(self._running),
+                requests_waiting=waiting + self._inbox.qsize(),
+                prompt_tokens_total=s.prompt_tokens,
+                generation_tokens_total=s.emitted,
+                spec_drafts=s.rounds,
+                spec_draft_tokens=s.drafted,
+                spec_accepted_tokens=s.accepted,
+                spec_accepted_per_pos=list(s.accepted_at),
+                peak_memory_bytes=mx.get_peak_memory(),
             )
-        return stream_generate(self.loaded, prompt, **kwargs)
 
     @staticmethod
     def _command(command: Callable[[], None]) -> None:
@@ -337,3 +505,31 @@ class Engine:
             command()
         except Exception:
             log.exception("engine command %r failed", command)
+
+
+def _give_back(turn: Turn) -> Left:
+    """What a turn that never ran leaves: the cache as it was handed over."""
+    return Left(turn.cache, turn.keep, None)
+
+
+def _kv_bytes(target) -> tuple[int, int]:
+    """(bytes per token of the full-attention layers, bytes of the sliding rings) for one row."""
+    cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
+    cfg = target.config
+    itemsize = target.embed(mx.array([[0]])).dtype.size
+    full = ring = 0
+    ring_slots = cache.tracks[SLIDING].capacity
+    for i, kind in enumerate(cache.layer_types):
+        per_token = 2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * itemsize
+        if kind == FULL:
+            full += per_token
+        else:
+            ring += per_token * ring_slots
+    return full, ring
+
+
+def _device_memory() -> int:
+    try:
+        return int(mx.device_info()["memory_size"])
+    except Exception:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

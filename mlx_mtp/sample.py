@@ -1,19 +1,25 @@
-"""Sampling transforms and speculative-decoding acceptance rules.
+"""Sampling transforms, counter-based random numbers, and the speculative acceptance rules.
 
-All distributions are float32 over the last axis. `probs` is the single
-transform applied identically to the target (p) and the drafter (q); the
-rejection rule is exact only when drafts are sampled from that same q.
+All distributions are float32 over the last axis. `probs` is the single transform applied
+identically to the target (p) and the drafter (q); the rejection rule is exact only when
+drafts are sampled from that same q.
+
+Random numbers are a pure function of (row seed, token position, purpose): `uniform` hashes
+them on the device. A row's output therefore depends on its own seed and positions only,
+never on which rows share its batch or on how often other code drew random numbers, and no
+random state has to travel between rounds.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-# Smallest normal float32: the lower bound for Gumbel uniforms so that
-# -log(-log(u)) stays finite (mx.random.gumbel can return -inf for u == 0).
-_TINY = 1.1754944e-38
+# Purposes of a random number at one position (streams of the counter-based generator).
+DRAFT, ACCEPT, RESAMPLE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -48,29 +54,23 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _one_hot_argmax(logits: mx.array) -> mx.array:
-    idx = mx.argmax(logits, axis=-1, keepdims=True)
-    return (mx.arange(logits.shape[-1]) == idx).astype(mx.float32)
-
-
 def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Turn logits into the sampling distribution.
 
-    Order: temperature, then top-k, top-p, min-p on the tempered
-    distribution (HF convention; note mlx-lm's own sampler filters before
-    temperature). Masked entries are exactly 0.
+    Order: temperature, then top-k, top-p, min-p on the tempered distribution (HF
+    convention; mlx-lm's own sampler filters before temperature). Masked entries are 0.
 
     Args:
-        logits: Array of shape (..., V), any float dtype.
-        params: The sampling configuration.
+        logits: (..., V), any float dtype.
+        params: the sampling configuration.
 
     Returns:
-        float32 array (..., V) summing to 1 on the last axis; a one-hot on the
-        argmax when `params.greedy`.
+        float32 (..., V) summing to 1 on the last axis; a one-hot on the argmax when greedy.
     """
     logits = logits.astype(mx.float32)
     if params.greedy:
-        return _one_hot_argmax(logits)
+        idx = mx.argmax(logits, axis=-1, keepdims=True)
+        return (mx.arange(logits.shape[-1]) == idx).astype(mx.float32)
     x = logits * (1.0 / params.temperature)
     x = x - mx.logsumexp(x, axis=-1, keepdims=True)
     if 0 < params.top_k < x.shape[-1]:
@@ -82,129 +82,139 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(x, axis=-1, precise=True)
 
 
-def _gumbel_argmax(weights: mx.array, key: Optional[mx.array]) -> mx.array:
-    # Own Gumbel-max rather than mx.random.categorical: its u can be exactly
-    # 0, giving a -inf perturbation that can tie with masked (-inf) entries.
-    u = mx.random.uniform(_TINY, 1.0, shape=weights.shape, key=key)
-    return mx.argmax(mx.log(weights) - mx.log(-mx.log(u)), axis=-1)
+def batch_probs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """`probs` with each row's own parameters: logits (B, ..., V), params one per row."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(p, []).append(row)
+    if len(groups) == 1:
+        return probs(logits, params[0])
+    parts, order = [], []
+    for p, rows in groups.items():
+        parts.append(probs(logits[mx.array(rows)], p))
+        order += rows
+    inverse = mx.argsort(mx.array(order))
+    return mx.concatenate(parts)[inverse]
 
 
-def sample(p: mx.array, key: Optional[mx.array] = None) -> mx.array:
-    """Draw one token per distribution; zero-probability entries never win.
+# ---- counter-based random numbers ----------------------------------------------------------
+
+
+def _mix(x: mx.array) -> mx.array:
+    """A 32-bit integer finalizer (good avalanche: every input bit flips ~half the output bits)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, dtype=mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def uniform(seeds: mx.array, positions: mx.array, stream: int) -> mx.array:
+    """Uniform numbers in (0, 1), one per (row seed, position), for one purpose `stream`.
 
     Args:
-        p: Probabilities (..., V), e.g. from `probs`; need not be normalised.
-        key: Optional `mx.random.key` for reproducibility.
+        seeds: (B,) uint32 per-row seeds.
+        positions: (B, ...) int token positions.
+        stream: DRAFT, ACCEPT or RESAMPLE.
+    """
+    seeds = seeds.astype(mx.uint32).reshape(seeds.shape + (1,) * (positions.ndim - 1))
+    counter = positions.astype(mx.uint32) * mx.array(4, dtype=mx.uint32) + mx.array(stream, dtype=mx.uint32)
+    bits = _mix(_mix(counter ^ _mix(seeds)) + seeds)
+    # 24 random bits, centred in their cell: never exactly 0 or 1.
+    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(p: mx.array, u: mx.array) -> mx.array:
+    """Inverse-CDF draw: one token per distribution, zero-probability entries never win.
+
+    Args:
+        p: (..., V) probabilities (need not be normalised).
+        u: (...) uniforms in (0, 1).
 
     Returns:
-        int32 token ids of shape (...).
+        int32 token ids (...).
     """
-    return _gumbel_argmax(p.astype(mx.float32), key).astype(mx.int32)
+    cdf = mx.cumsum(p.astype(mx.float32), axis=-1)
+    x = u[..., None] * cdf[..., -1:]
+    # The first entry whose cumulative mass exceeds x; an entry with p = 0 has the same
+    # cumulative mass as the one before it, so it is never the first.
+    return mx.minimum((cdf < x).sum(axis=-1), p.shape[-1] - 1).astype(mx.int32)
 
 
-def split_key(key: Optional[mx.array]) -> Tuple[Optional[mx.array], Optional[mx.array]]:
-    """(next key, subkey) for reproducible sampling; (None, None) without a key (global RNG)."""
-    if key is None:
-        return None, None
-    key, sub = mx.random.split(key)
-    return key, sub
+# ---- acceptance ----------------------------------------------------------------------------
 
 
 def _prefix_len(match: mx.array) -> mx.array:
-    # Number of leading True values along the last axis.
+    """Number of leading True values along the last axis."""
     return mx.cumprod(match.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
-def _to_lists(n: mx.array, tokens: mx.array) -> Tuple[List[int], List[int]]:
-    # One host sync for both outputs.
-    n_list, tok_list = mx.stack([n.astype(mx.int32), tokens.astype(mx.int32)]).tolist()
-    return n_list, tok_list
+def _limit(accept: mx.array, limit: Optional[mx.array]) -> mx.array:
+    """Drafts at index >= limit[b] do not count for row b (a row drafting fewer than K)."""
+    if limit is None:
+        return accept
+    return accept & (mx.arange(accept.shape[-1])[None] < limit[:, None])
 
 
-def greedy_accept_batch(
-    draft_tokens: mx.array, target_argmax: mx.array
-) -> Tuple[List[int], List[int]]:
-    """Greedy verification of B rows of K drafts.
+def greedy_accept(drafts: mx.array, target_argmax: mx.array, limit: Optional[mx.array] = None):
+    """Greedy verification of B rows of K drafts, on the device.
 
     Args:
-        draft_tokens: (B, K) drafted ids.
-        target_argmax: (B, K+1) target argmax at each verified position.
+        drafts: (B, K) drafted ids.
+        target_argmax: (B, K+1) the target's argmax at each verified position.
+        limit: optional (B,) number of drafts that count per row.
 
     Returns:
-        (n_accepted, next_tokens): lists of length B; next is target_argmax[n].
+        (n, next): (B,) accepted drafts and the target's token at n.
     """
-    draft_tokens, target_argmax = mx.array(draft_tokens), mx.array(target_argmax)
-    k = draft_tokens.shape[-1]
-    n = _prefix_len(draft_tokens == target_argmax[:, :k])
-    nxt = mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0]
-    return _to_lists(n, nxt)
+    k = drafts.shape[-1]
+    n = _prefix_len(_limit(drafts == target_argmax[:, :k], limit))
+    return n, mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0].astype(mx.int32)
 
 
-def greedy_accept(draft_tokens: mx.array, target_argmax: mx.array) -> Tuple[int, int]:
-    """Single-row `greedy_accept_batch`: (K,), (K+1,) -> (n_accepted, next)."""
-    drafts, targets = mx.array(draft_tokens)[None], mx.array(target_argmax)[None]
-    n, nxt = greedy_accept_batch(drafts, targets)
-    return n[0], nxt[0]
-
-
-def _gather_token_prob(dist: mx.array, tokens: mx.array) -> mx.array:
+def _token_prob(dist: mx.array, tokens: mx.array) -> mx.array:
     return mx.take_along_axis(dist, tokens[..., None], axis=-1)[..., 0]
 
 
-def rejection_accept_batch(
-    draft_tokens: mx.array, q: mx.array, p: mx.array, key: Optional[mx.array] = None
-) -> Tuple[List[int], List[int]]:
-    """Speculative-sampling verification (Leviathan et al. / Chen et al.).
+def rejection_accept(drafts: mx.array, q: mx.array, p: mx.array, u_accept: mx.array, u_draw: mx.array,
+                     limit: Optional[mx.array] = None):
+    """Speculative-sampling verification (Leviathan et al. / Chen et al.), on the device.
 
-    Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the
-    first rejection the replacement comes from norm(max(p_i - q_i, 0)); if
-    all K are accepted a bonus token comes from p_K. Exact provided the
-    drafts were sampled from q. Everything is evaluated in one graph with a
-    single host sync.
+    Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+    the replacement comes from norm(max(p_i - q_i, 0)); if every counted draft is accepted, a
+    bonus token comes from p at that position. Exact provided the drafts were sampled from q.
+    One-hot p and q (greedy rows) reduce this to greedy verification.
 
     Args:
-        draft_tokens: (B, K) drafts, sampled from q.
-        q: (B, K, V) drafter distributions the drafts were sampled from.
-        p: (B, K+1, V) target distributions (same transform as q).
-        key: Optional `mx.random.key`.
+        drafts: (B, K) drafts, sampled from q.
+        q: (B, K, V) the distributions the drafts were sampled from.
+        p: (B, K+1, V) target distributions (the same transform as q).
+        u_accept: (B, K) uniforms for the accept tests.
+        u_draw: (B, K+1) uniforms for the replacement / bonus draw at each position.
+        limit: optional (B,) number of drafts that count per row.
 
     Returns:
-        (n_accepted, next_tokens): Python int lists of length B.
+        (n, next): (B,) accepted drafts and the next token.
     """
-    draft_tokens = mx.array(draft_tokens)
     q, p = q.astype(mx.float32), p.astype(mx.float32)
-    b, k = draft_tokens.shape
-    k_u, k_draw = split_key(key)
-
-    p_d = _gather_token_prob(p[:, :k], draft_tokens)
-    q_d = _gather_token_prob(q, draft_tokens)
-    u = mx.random.uniform(shape=(b, k), key=k_u)
-    # p_d >= q_d short-circuits so fp rounding of u * q_d can never reject a
-    # sure accept; q_d == 0 (impossible for true q-samples) always rejects.
-    accept = (q_d > 0) & ((p_d >= q_d) | (u * q_d < p_d))
-    n = _prefix_len(accept)
-
+    k = drafts.shape[1]
+    p_d, q_d = _token_prob(p[:, :k], drafts), _token_prob(q, drafts)
+    # p_d >= q_d short-circuits so fp rounding of u * q_d can never reject a sure accept;
+    # q_d == 0 (impossible for true q-samples) always rejects.
+    accept = (q_d > 0) & ((p_d >= q_d) | (u_accept * q_d < p_d))
+    n = _prefix_len(_limit(accept, limit))
     p_n = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
-    if k > 0:
+    if k:
         q_n = mx.take_along_axis(q, mx.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
-        # Bonus position (n == K) has no drafter term: residual is p_K itself.
-        q_n = mx.where((n < k)[:, None], q_n, 0.0)
+        counted = n < (k if limit is None else mx.minimum(limit, k))
+        q_n = mx.where(counted[:, None], q_n, 0.0)  # a bonus position has no drafter term
     else:
         q_n = mx.zeros_like(p_n)
     residual = mx.maximum(p_n - q_n, 0.0)
-    # Residual is all zero only if p_n == q_n (then rejection is impossible
-    # for real drafts); fall back to p_n rather than sampling from nothing.
+    # All zero only if p_n == q_n, where rejection is impossible for real drafts: use p_n.
     empty = residual.sum(axis=-1, keepdims=True) <= 0
-    nxt = _gumbel_argmax(mx.where(empty, p_n, residual), k_draw)
-    return _to_lists(n, nxt)
-
-
-def rejection_accept(
-    draft_tokens: mx.array, q: mx.array, p: mx.array, key: Optional[mx.array] = None
-) -> Tuple[int, int]:
-    """Single-row `rejection_accept_batch`: (K,), (K, V), (K+1, V) -> ints."""
-    n, nxt = rejection_accept_batch(mx.array(draft_tokens)[None], q[None], p[None], key)
-    return n[0], nxt[0]
+    u = mx.take_along_axis(u_draw, n[:, None], axis=1)[:, 0]
+    return n, sample(mx.where(empty, p_n, residual), u)
 
 
 def acceptance_rate(p: mx.array, q: mx.array) -> float:

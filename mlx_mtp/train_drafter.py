@@ -16,7 +16,7 @@ accepts). For every position p of a text chunk at once:
   y_q = argmax target(t_<=q), and the K/V of its store layers (`TargetOutput.shared_kv`);
 * draft step 1 reads concat(target.embed(t_p), h_{p-1}) at query position p, attending the
   target K/V at positions < p (full layers) and [p - W - 1, p - 1] (sliding layers): the
-  masks of `gemma4_assistant._DraftBody.mask`, for a whole row of queries;
+  drafter's own `trunk`, for a whole row of queries at once;
 * step j > 1 reads concat(target.embed(t_{p+j-1}), the previous step's post_projection
   output), teacher-forced with the real text, at the same position p and K/V;
 * the loss is the cross-entropy of step j's logits against y_{p+j-1}, averaged over steps.
@@ -128,17 +128,6 @@ def save_drafter(drafter: nn.Module, config: dict, out: Path, extra: Optional[di
 # ---- the batched training forward ---------------------------------------------------------
 
 
-def row_mask(kind: str, window: int, kpos: mx.array, qpos: mx.array) -> mx.array:
-    """(B, 1, T, T_kv) for queries at `qpos` (B, T): the drafter's inference mask
-    (`_DraftBody.mask`) for a whole row of queries at once."""
-    k = kpos[:, None, :]
-    q = qpos[:, :, None]
-    visible = (k >= 0) & (k < q)
-    if kind == SLIDING:
-        visible = visible & (k >= q - window - 1)
-    return visible[:, None]
-
-
 def unroll(drafter, embeds: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], k: int,
            start: int = 1) -> list[mx.array]:
     """K teacher-forced draft steps for every query position p in [start, L - k].
@@ -152,23 +141,14 @@ def unroll(drafter, embeds: mx.array, hidden: mx.array, shared_kv: dict[str, Sha
         K logits arrays (B, T, V), T = L - k - start + 1; step j's row p predicts the
         target's greedy token after t_{p+j} (0-indexed j).
     """
-    body = drafter.model
-    cfg = body.cfg
-    L = embeds.shape[1]
+    B, L = embeds.shape[:2]
     T = L - k - start + 1
-    B = embeds.shape[0]
     qpos = mx.broadcast_to(mx.arange(start, start + T, dtype=mx.int32)[None], (B, T))
-    masks = {kind: row_mask(kind, cfg.sliding_window, kv.positions, qpos) for kind, kv in shared_kv.items()}
     h = hidden[:, start - 1 : start - 1 + T]
     out = []
     for j in range(k):
-        e = embeds[:, start + j : start + j + T]
-        x = drafter.pre_projection(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
-        for layer, kind in zip(body.layers, cfg.layer_types):
-            kv = shared_kv[kind]
-            x = layer(x, (kv.keys, kv.values), masks[kind], start)
-        x = body.norm(x)
-        out.append(body.embed_tokens.as_linear(x))
+        x = drafter.trunk(embeds[:, start + j : start + j + T], h, shared_kv, qpos)
+        out.append(drafter.model.embed_tokens.as_linear(x))
         if "masked_embedding" in drafter:  # E2B/E4B centroid head: also score the clusters
             out[-1] = (out[-1], drafter.masked_embedding.centroids(x))
         h = drafter.post_projection(x)
@@ -186,7 +166,8 @@ def cluster_of(drafter) -> mx.array:
 
 def target_pass(target, tokens: mx.array):
     """Frozen target over (B, L): scaled embeddings, hidden, greedy labels, store K/V."""
-    out = target(tokens)
+    B, L = tokens.shape
+    out = target(tokens, target.make_cache(B, max_rollback=L))  # sliding rings keep the whole chunk
     labels = mx.argmax(out.logits, axis=-1)
     embeds = target.embed(tokens)
     shared = {kind: SharedKV(mx.stop_gradient(kv.keys), mx.stop_gradient(kv.values), kv.positions)

@@ -15,7 +15,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_chat_tokenizer(path: Path) -> None:
+# Like Gemma's own templates (which trim messages and drop a reply's thinking), this one
+# rewrites history, more often so: every message is trimmed and lower-cased.
+REWRITING_TEMPLATE = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim | lower }}")
+
+
+def write_chat_tokenizer(path: Path, template: str = CHAT_TEMPLATE) -> None:
     """128 ids: the specials, newline, then printable characters from the space on."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -28,17 +33,17 @@ def write_chat_tokenizer(path: Path) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
-        "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
+        "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": template,
     }))
     gen = json.loads((path / "generation_config.json").read_text())
     gen["eos_token_id"] = [1, TURN_END]
     (path / "generation_config.json").write_text(json.dumps(gen))
 
 
-def make_chat_model(dest: Path) -> Path:
+def make_chat_model(dest: Path, template: str = CHAT_TEMPLATE) -> Path:
     """Copy the tiny dense target to `dest` and give it the chat tokenizer."""
     shutil.copytree(TINY / "target", dest)
-    write_chat_tokenizer(dest)
+    write_chat_tokenizer(dest, template)
     return dest
 
 

@@ -1,71 +1,139 @@
-"""Batched speculative decoding: every row gets exactly its B=1 greedy output."""
+"""The one driver: every row of a batch gets exactly its single-sequence output, whatever joins,
+leaves, finishes early, is cancelled or drafts differently; seeded rows are reproducible."""
 
 import numpy as np
 import pytest
 from conftest import reference, tiny_drafter, tiny_target
 
-from mlx_mtp.batch import BatchGenerator, CostModel
+from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
+from mlx_mtp.sample import SamplingParams
+from mlx_mtp.speculative import DraftPolicy
+
+HOT = SamplingParams(temperature=1.0, top_p=0.95)
 
 
 def prompts(variant, n):
-    """Rows of different lengths (9..27 tokens), from the reference prompt and its continuation."""
+    """Rows of different lengths (9..30 tokens), from the reference prompt and its continuation."""
     ref = reference(variant)
     text = ref["prompt"].tolist() + ref["greedy"].tolist()
     rng = np.random.default_rng(0)
     return [text[s : s + 9 + 3 * i] for i, s in enumerate(rng.integers(0, 30, n))]
 
 
-def alone(variant, prompt, n, stop=()):
-    return [t for t, _ in generate_tokens(tiny_target(variant), prompt, max_tokens=n, stop_ids=stop)]
+def alone(variant, prompt, n, stop=(), **kw):
+    return [t for t, _ in generate_tokens(tiny_target(variant), prompt, max_tokens=n, stop_ids=stop, **kw)]
 
 
-def run_batch(gen, jobs, join_later=()):
-    """jobs: {index: (prompt, max_tokens, stop)}; rows in join_later join after 3 rounds."""
-    out, uids = {}, {}
-    for i, (prompt, n, stop) in jobs.items():
-        if i not in join_later:
-            uids[gen.add(prompt, n, stop)] = i
-    rounds = 0
-    while gen.active or len(uids) < len(jobs):
-        rounds += 1
-        if rounds == 4:
-            for i in join_later:
-                prompt, n, stop = jobs[i]
-                uids[gen.add(prompt, n, stop)] = i
-        for uid, tokens, _ in gen.step():
-            out.setdefault(uids[uid], []).extend(tokens)
+def drain(gen):
+    out = []
+    while gen.busy:
+        out += [t for event in gen.step() for t in event.tokens]
     return out
+
+
+def run_batch(gen, jobs, join_later=(), cancel_after=None):
+    """jobs: {index: (prompt, insert kwargs)}; rows in join_later join after 3 steps; the row
+    `cancel_after` = (index, tokens) is cancelled once it has that many tokens."""
+    out, uids, finish = {}, {}, {}
+    for i, (prompt, kw) in jobs.items():
+        if i not in join_later:
+            uids[gen.insert(prompt, **kw)] = i
+    steps = 0
+    while gen.busy or len(uids) < len(jobs):
+        steps += 1
+        if steps == 4:
+            for i in join_later:
+                uids[gen.insert(jobs[i][0], **jobs[i][1])] = i
+        for event in gen.step():
+            i = uids[event.uid]
+            out.setdefault(i, []).extend(event.tokens)
+            if event.finish_reason:
+                finish[i] = event.finish_reason
+            if cancel_after and i == cancel_after[0] and len(out[i]) >= cancel_after[1] and i not in finish:
+                gen.cancel(event.uid)
+    return out, finish
 
 
 @pytest.mark.parametrize("k", [2, 5, "auto"])
 def test_rows_equal_their_single_sequence_output(variant, k):
-    ps = prompts(variant, 5)
-    budgets = [40, 12, 33, 40, 25]  # rows finish at different rounds
-    jobs = {i: (p, b, ()) for i, (p, b) in enumerate(zip(ps, budgets))}
-    gen = BatchGenerator(tiny_target(variant), tiny_drafter(variant), draft_tokens=k)
-    out = run_batch(gen, jobs, join_later=(3, 4))
-    for i, (p, b, _) in jobs.items():
-        assert out[i] == alone(variant, p, b), f"row {i}"
+    ps = prompts(variant, 6)
+    budgets = [40, 12, 33, 40, 25, 30]  # rows finish at different rounds
+    jobs = {i: (p, dict(max_tokens=b)) for i, (p, b) in enumerate(zip(ps, budgets))}
+    jobs[2][1]["mtp"] = False  # drafts nothing, shares the verify forward
+    jobs[5][1]["draft_tokens"] = 1  # its own draft length
+    gen = BatchGenerator(tiny_target(variant), tiny_drafter(variant), draft_tokens=k, prefill_chunk=7)
+    out, finish = run_batch(gen, jobs, join_later=(3, 4))
+    for i, (p, kw) in jobs.items():
+        assert out[i] == alone(variant, p, kw["max_tokens"]), f"row {i}"
+        assert finish[i] == "length"
     assert gen.stats.rounds > 0 and gen.stats.accepted < gen.stats.drafted  # real rejections
+    assert max(len(p) + 40 for p in ps) > 2 * 8  # well past the window of 8
 
 
-def test_row_stopping_early_on_its_own_stop_token():
-    ps = prompts("dense", 3)
+def test_stop_tokens_cancels_and_late_joiners():
+    ps = prompts("dense", 4)
     stop_for_row0 = alone("dense", ps[0], 30)[6]
-    jobs = {0: (ps[0], 30, (stop_for_row0,)), 1: (ps[1], 30, ()), 2: (ps[2], 30, ())}
-    out = run_batch(BatchGenerator(tiny_target("dense"), tiny_drafter("dense"), draft_tokens=3), jobs)
-    assert out[0] == alone("dense", ps[0], 30, (stop_for_row0,)) and len(out[0]) <= 7
-    assert out[1] == alone("dense", ps[1], 30) and out[2] == alone("dense", ps[2], 30)
+    jobs = {0: (ps[0], dict(max_tokens=30, stop_ids=(stop_for_row0,))), 1: (ps[1], dict(max_tokens=30)),
+            2: (ps[2], dict(max_tokens=30)), 3: (ps[3], dict(max_tokens=20))}
+    gen = BatchGenerator(tiny_target("dense"), tiny_drafter("dense"), draft_tokens=3)
+    out, finish = run_batch(gen, jobs, join_later=(3,), cancel_after=(1, 5))
+    assert out[0] == alone("dense", ps[0], 30, (stop_for_row0,)) and finish[0] == "stop" and len(out[0]) <= 7
+    assert finish[1] == "cancelled" and out[1] == alone("dense", ps[1], 30)[: len(out[1])]
+    assert out[2] == alone("dense", ps[2], 30) and out[3] == alone("dense", ps[3], 20)
+    assert not gen.busy and gen.cache is None  # everybody left
 
 
-def test_cost_model_prefers_drafting_only_when_it_pays():
-    model = CostModel("auto", k_max=4)
+def test_a_row_leaves_with_its_exact_cache():
+    """keep_cache: the cache holds the prompt and every token handed out but the last, even
+    when the row was cancelled with a round already queued past it."""
+    target, drafter = tiny_target("dense"), tiny_drafter("dense")
+    p = prompts("dense", 1)[0]
+    truth = alone("dense", p, 40)
+    for stop_after in (1, 5, 30):
+        gen = BatchGenerator(target, drafter, draft_tokens=4)
+        uid, seen = gen.insert(p, max_tokens=40, keep_cache=True), []
+        while len(seen) < stop_after:
+            seen += [t for e in gen.step() for t in e.tokens]
+        left = gen.remove(uid)
+        assert seen[:stop_after] == truth[:stop_after]
+        assert left.length == len(p) + len(seen) - 1 == int(left.cache.offsets()[0])
+        # continuing from that cache gives the same continuation as a fresh run
+        gen2 = BatchGenerator(target, drafter, draft_tokens=4)
+        gen2.insert([seen[-1]], max_tokens=5, cache=left.cache)
+        assert drain(gen2) == alone("dense", p + seen, 5)
+
+
+def test_seeded_rows_are_identical_alone_and_batched():
+    target, drafter = tiny_target("moe"), tiny_drafter("moe")
+    ps = prompts("moe", 8)
+    kw = dict(max_tokens=30, sampling=HOT, seed=7)
+    solo = alone("moe", ps[0], 30, drafter=drafter, sampling=HOT, seed=7)
+    jobs = {0: (ps[0], kw)}
+    jobs.update({i: (ps[i], dict(max_tokens=20 + i, sampling=SamplingParams(0.8 + i / 10), seed=i)) for i in range(1, 8)})
+    out, _ = run_batch(BatchGenerator(target, drafter), jobs, join_later=(5, 6))
+    assert out[0] == solo
+    assert alone("moe", ps[0], 30, drafter=drafter, sampling=HOT, seed=8) != solo  # the seed matters
+
+
+def test_token_ids_and_budgets_are_checked():
+    gen = BatchGenerator(tiny_target("dense"), tiny_drafter("dense"))
+    for bad, match in (([], "empty"), ([1, 999], "outside the vocabulary"), ([1, -2], "outside"),
+                       ([[1, 2]], "flat list")):
+        with pytest.raises(ValueError, match=match):
+            gen.insert(bad)
+    for kw in (dict(max_tokens=0), dict(max_tokens=-3), dict(draft_tokens=100), dict(draft_tokens=-1)):
+        with pytest.raises(ValueError):
+            gen.insert([1, 2, 3], **kw)
+
+
+def test_draft_policy_prefers_drafting_only_when_it_pays():
+    model = DraftPolicy("auto", k_max=4)
     for _ in range(20):  # useless drafts, each draft as costly as a plain step
         model.observe(8, 0, [0] * 8, 1.0)
         model.observe(8, 2, [0] * 8, 3.0)
     assert model.choose(8) == 0
-    good = CostModel("auto", k_max=4)
+    good = DraftPolicy("auto", k_max=4)
     for _ in range(20):  # near-perfect drafts, cheap drafting
         good.observe(8, 0, [0] * 8, 1.0)
         good.observe(8, 4, [4] * 8, 1.4)

@@ -1,4 +1,5 @@
-"""The shared KV cache: exact rollback after the sliding window wraps, or a clear error."""
+"""The shared KV cache: exact rollback after the sliding window wraps, on the host or the
+device, or a clear error; rows joining and leaving; snapshots of the sliding layers."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,81 +11,99 @@ from mlx_mtp.cache import FULL, SLIDING, CacheError, KVCache
 W = 8
 
 
-def fill(cache, n, start=0, layer_dims=((2, 4), (2, 8))):
-    """Write n tokens one forward at a time; K values encode the position (to check slots)."""
-    for pos in range(start, start + n):
-        cache.begin(1)
+def fill(cache, n, chunk=1, layer_dims=((2, 4), (2, 8))):
+    """Write n tokens, `chunk` per forward; K values encode the position (to check slots)."""
+    for _ in range(0, n, chunk):
+        step = cache.begin(chunk)
         for layer, (h, d) in enumerate(layer_dims):
-            k = mx.full((1, h, 1, d), float(pos))
-            cache.update(layer, k, -k)
+            k = mx.broadcast_to(step.positions[:, None, :, None].astype(mx.float32), (cache.batch_size, h, chunk, d))
+            cache.update(layer, k, -k, step)
 
 
-def visible_positions(cache, kind):
+def held(cache, kind, row=0):
+    """Positions a layer type holds for `row` (checking each slot holds its own position's K)."""
     kv = cache.shared_kv(0 if kind == SLIDING else 1)
-    pos = np.array(kv.positions[0])
-    keys = np.array(kv.keys[0, 0, :, 0])
-    assert (keys[pos >= 0] == pos[pos >= 0]).all()  # every slot holds its own position's K
+    pos = np.array(kv.positions[row])
+    keys = np.array(kv.keys[row, 0, :, 0])
+    assert (keys[pos >= 0] == pos[pos >= 0]).all()
     return sorted(pos[pos >= 0].tolist())
 
 
-def make(max_rollback=4, step=16):
-    return KVCache([SLIDING, FULL], W, max_rollback=max_rollback, step=step)
+def make(max_rollback=4, batch_size=1):
+    return KVCache([SLIDING, FULL], W, batch_size=batch_size, max_rollback=max_rollback, step=16)
 
 
 def test_trim_after_wrap_is_exact():
     cache = make()
     fill(cache, 100)
     cache.trim(4)
-    assert cache.offset.tolist() == [96]
-    assert visible_positions(cache, FULL) == list(range(96))
-    assert visible_positions(cache, SLIDING)[-(W + 1):] == list(range(96 - W - 1, 96))
-    fill(cache, 10, start=96)  # rewriting the rolled-back positions
-    assert visible_positions(cache, FULL) == list(range(106))
-    mask = np.array(cache.mask(SLIDING, mx.array([[105]]))[0, 0, 0])
-    assert sorted(np.array(cache.tracks[SLIDING].pos[0, : cache.tracks[SLIDING].length])[mask]) == list(
-        range(98, 106)
-    )
+    assert cache.offsets().tolist() == [96]
+    assert held(cache, FULL) == list(range(96))
+    assert held(cache, SLIDING) == list(range(100 - (W + 1 + 4), 96))  # the ring: window + 1 + max_rollback
+    fill(cache, 10)  # rewriting the rolled-back positions
+    assert held(cache, FULL) == list(range(106))
+    step = cache.begin(1)
+    pos = np.array(cache.tracks[SLIDING].pos[0])
+    assert sorted(pos[np.array(step.masks[SLIDING][0, 0, 0])].tolist()) == list(range(99, 107))
 
 
 def test_trim_beyond_slack_raises_and_changes_nothing():
     cache = make(max_rollback=4)
     fill(cache, 100)
-    before = (cache.offset.copy(), cache.tracks[SLIDING].length)
+    before = (cache.offsets().tolist(), np.array(cache.tracks[SLIDING].pos).tolist())
     with pytest.raises(CacheError, match="sliding-window"):
         cache.trim(40)
-    assert (cache.offset == before[0]).all() and cache.tracks[SLIDING].length == before[1]
     with pytest.raises(CacheError):
         cache.trim(200)
+    assert (cache.offsets().tolist(), np.array(cache.tracks[SLIDING].pos).tolist()) == before
 
 
 def test_trim_before_wrap_can_undo_everything():
     cache = make(max_rollback=1)
     fill(cache, 6)
     cache.trim(6)
-    assert cache.offset.tolist() == [0] and visible_positions(cache, SLIDING) == []
+    assert cache.offsets().tolist() == [0] and held(cache, SLIDING) == []
 
 
-def test_sliding_memory_stays_bounded():
-    cache = make(max_rollback=4, step=16)
-    bound = W + 1 + 4 + 16 + 1  # window + drafter's extra key + slack + one growth step + the new token
-    for _ in range(50):
-        fill(cache, 7, start=int(cache.offset[0]))
-        cache.trim(3)
-        assert cache.capacity(SLIDING) <= bound
-    assert cache.capacity(FULL) >= int(cache.offset[0])
+def test_device_rollback_and_chunks_longer_than_the_ring():
+    """rollback_to runs on the device (lengths never read back); a 30-token chunk (longer than
+    the 13-slot ring) still leaves the last 13 positions; memory of sliding layers is fixed."""
+    cache = make(max_rollback=4, batch_size=2)
+    fill(cache, 30, chunk=30)
+    assert held(cache, SLIDING) == list(range(17, 30)) and held(cache, FULL) == list(range(30))
+    for _ in range(40):
+        fill(cache, 5, chunk=5)
+        cache.rollback_to(cache.offset - mx.array([4, 1]))  # ragged rows
+    assert cache.offsets().tolist() == [70, 190]
+    assert held(cache, FULL, 0) == list(range(70)) and held(cache, FULL, 1) == list(range(190))
+    assert held(cache, SLIDING, 1)[-(W + 1):] == list(range(190 - W - 1, 190))
+    assert cache.tracks[SLIDING].capacity == W + 1 + 4
 
 
-def test_ragged_rollback_masks_each_row_separately():
-    cache = KVCache([SLIDING, FULL], W, batch_size=2, max_rollback=4, step=16)
-    fill(cache, 30, layer_dims=((1, 4), (1, 4)))
-    cache.rollback([1, 3])
-    assert cache.offset.tolist() == [29, 27]
-    qpos, _ = cache.begin(1)
-    assert np.array(qpos).tolist() == [[29], [27]]
-    full = np.array(cache.mask(FULL, qpos))[:, 0, 0]
-    pos = np.array(cache.tracks[FULL].pos[:, : cache.tracks[FULL].length])
-    assert sorted(pos[0][full[0]]) == list(range(30))
-    assert sorted(pos[1][full[1]]) == list(range(28))
+def test_rows_join_and_leave():
+    a, b = make(), make()
+    fill(a, 20)
+    fill(b, 5)
+    a.extend(b)
+    assert a.offsets().tolist() == [20, 5] and held(a, FULL, 1) == list(range(5))
+    fill(a, 3)
+    one = a.take(1)
+    assert one.offsets().tolist() == [8] and held(one, FULL) == list(range(8))
+    a.select([0])
+    assert a.offsets().tolist() == [23] and held(a, SLIDING) == list(range(10, 23))
+
+
+def test_snapshot_restores_the_sliding_layers_long_after():
+    cache = make(max_rollback=2)
+    fill(cache, 40)
+    snap = cache.snapshot()
+    sliding = held(cache, SLIDING)
+    fill(cache, 60)
+    with pytest.raises(CacheError):
+        cache.truncate([45])  # the window moved on
+    cache.restore(snap)
+    assert cache.offsets().tolist() == [40]
+    assert held(cache, SLIDING) == sliding and held(cache, FULL) == list(range(40))
 
 
 def test_model_rollback_after_wrap_equals_never_having_seen_the_tokens():
@@ -94,8 +113,12 @@ def test_model_rollback_after_wrap_equals_never_having_seen_the_tokens():
     straight = model.make_cache(max_rollback=5)
     model(ids[:, :15], straight)
     expect = model(ids[:, 15:], straight).logits
-    rolled = model.make_cache(max_rollback=5)
-    model(ids[:, :15], rolled)
-    model(mx.array([[3, 4, 5, 6, 7]]), rolled)  # 15 + 5 > window: wrapped
-    rolled.trim(5)
-    assert np.abs(np.array(model(ids[:, 15:], rolled).logits - expect)).max() < 1e-5
+    for device in (False, True):
+        rolled = model.make_cache(max_rollback=5)
+        model(ids[:, :15], rolled)
+        model(mx.array([[3, 4, 5, 6, 7]]), rolled)  # 15 + 5 > window: wrapped
+        if device:
+            rolled.rollback_to(mx.array([15]))
+        else:
+            rolled.trim(5)
+        assert np.abs(np.array(model(ids[:, 15:], rolled).logits - expect)).max() < 1e-5

@@ -1,8 +1,11 @@
 """`python -m mlx_mtp.chat` driven through pipes, as a script or CI would."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,31 @@ def test_bad_model_or_drafter_exits_2_with_one_line(model_dir, capsys, monkeypat
     monkeypatch.setitem(sys.modules, "mlx_mtp.demo", None)  # the demo pair not installed
     assert chat.main(["--prompt", "x"]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_reply_keeps_the_turn_and_the_cache():
+    """The demo pair writes long replies: interrupt one after a few characters."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_mtp.chat", "--max-tokens", "400"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    proc.stdin.write("Write a class for a binary tree.\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 120
+    while len(out) < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    proc.stdin.write("/stats\nhello\n/stats\n")
+    proc.stdin.close()
+    proc.wait(timeout=180)
+    reader.join(10)
+    text, stderr = "".join(out), proc.stderr.read()
+    assert proc.returncode == 0, stderr
+    first, second = [line for line in text.splitlines() if line.startswith("KV cache:")]
+    assert first != "KV cache: empty" and int(first.split()[2]) > 20  # prompt + the partial reply
+    fed = [int(line.split()[1]) for line in text.splitlines() if line.startswith("prompt:")]
+    assert fed[-1] < int(second.split()[2]) // 2  # turn 2 fed its message, not the conversation
+    replies = [line for line in stderr.splitlines() if line.startswith("[")]
+    assert len(replies) == 2 and int(replies[0][1:].split()[0]) < 400  # the first reply was cut short

@@ -1,7 +1,7 @@
 """Conversation: multi-turn chat reusing one KV cache gives exactly what fresh prefills give."""
 
 import pytest
-from chat_helpers import DRAFTER, make_chat_model
+from chat_helpers import DRAFTER, REWRITING_TEMPLATE, make_chat_model
 
 import mlx_mtp
 from mlx_mtp.conversation import Conversation
@@ -30,7 +30,7 @@ def turn(conv, text, max_tokens=30, **kwargs):
 
 
 def cached(conv):
-    return int(conv.cache.offset[0])
+    return int(conv.cache.offsets()[0])
 
 
 def test_turns_reuse_the_cache_and_match_fresh_prefills(loaded):
@@ -87,13 +87,37 @@ def test_a_reply_closed_early_is_kept_as_streamed(loaded):
     turn(conv, TURNS[0])
     # Hot sampling gets drafts accepted: the round that gave the 3rd token went further.
     stream = conv.reply(TURNS[1], max_tokens=30, draft_tokens=4, sampling=HOT, seed=0)
-    events = [next(stream) for _ in range(3)]
+    events = [next(stream)]
+    while not events[-1].from_draft:  # stop on a draft: its round ran ahead of what was handed out
+        events.append(next(stream))
     partial = [e.token for e in events]
-    assert events[-1].from_draft  # its round ran ahead of what was handed out
     with pytest.raises(RuntimeError):
         conv.reply("while streaming")
     stream.close()
-    assert conv.tokens[-3:] == partial and cached(conv) == len(conv.tokens) - 1
+    assert conv.tokens[-len(partial):] == partial and cached(conv) == len(conv.tokens) - 1
     assert conv.messages[-1] == {"role": "assistant", "content": loaded.tokenizer.decode(partial)}
     got, expected, fed = turn(conv, TURNS[2])
     assert got == expected and fed < 25
+
+
+def test_a_template_that_rewrites_replies_costs_one_reply_not_the_conversation(tmp_path):
+    """Chat templates rewrite history (Gemma's trim messages; this one also lower-cases), so a
+    stored reply re-renders differently from what was generated, from a point long after the
+    sliding window (8) and the rollback slack moved past it. Each turn must still feed only the new
+    message plus at most the re-rendered last reply, and give what a fresh prefill gives."""
+    loaded = mlx_mtp.load(make_chat_model(tmp_path / "m", REWRITING_TEMPLATE), DRAFTER)
+    conv = Conversation(loaded)
+    rewritten, previous_reply = 0, []
+    for i in range(10):
+        text = f"q{i} "
+        prompt = conv.render([*conv.messages, {"role": "user", "content": text}])
+        kw = dict(max_tokens=24, sampling=HOT, seed=i, mtp=False)
+        expected = mlx_mtp.generate(loaded, prompt, **kw).tokens
+        events = list(conv.reply(text, **kw))
+        assert [e.token for e in events] == expected
+        fed, message_cost = events[-1].stats.prompt_tokens, len(text) + 18  # + <turn|>\n<|turn>user\n..
+        assert fed <= message_cost + len(previous_reply) + 1, (i, fed)
+        rewritten += fed > message_cost + 1
+        previous_reply = expected
+    assert rewritten >= 5  # the snapshot path really ran
+    assert len(conv.tokens) > 300  # far past window + slack

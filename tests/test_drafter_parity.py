@@ -4,7 +4,6 @@ import mlx.core as mx
 import numpy as np
 from conftest import reference, tiny_drafter, tiny_target
 
-from mlx_mtp.generate import prefill
 from mlx_mtp.models.base import SharedKV
 
 TOL = 1e-4
@@ -43,10 +42,10 @@ def test_drafted_tokens_match_reference_candidate_generator(variant):
     """Free-running argmax drafts equal what transformers' candidate generator proposed."""
     target, drafter, ref = tiny_target(variant), tiny_drafter(variant), reference(variant)
     cache = target.make_cache(max_rollback=8)
-    _, state = prefill(target, cache, ref["prompt"].tolist())
-    token, hidden, drafted = mx.array(ref["greedy"][:1]), state.hidden, []
+    prefill = target(mx.array([ref["prompt"].tolist()]), cache)
+    token, hidden, drafted = mx.array(ref["greedy"][:1]), prefill.hidden[:, -1], []
     for _ in range(4):
-        out = drafter.draft_step(target.embed(token[None])[:, 0], hidden, state.shared_kv, mx.array([20]))
+        out = drafter.draft_step(target.embed(token[None])[:, 0], hidden, prefill.shared_kv, mx.array([20]))
         token, hidden = out.argmax(), out.hidden
         drafted.append(int(token.item()))
     assert drafted == ref["draft_tokens"].tolist()

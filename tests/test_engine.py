@@ -12,7 +12,7 @@ from chat_helpers import DRAFTER, make_chat_model
 import mlx_mtp
 from mlx_mtp.conversation import Conversation
 from mlx_mtp import engine as engine_module
-from mlx_mtp.engine import Engine, Request
+from mlx_mtp.engine import Engine, MemoryLimitError, QueueFull, Request
 
 WAIT = 60  # seconds any single event may take before a test fails instead of hanging
 SCRIPTS = [["hi", "and then?"], ["what is 2+2", "sure?"], ["tell me a joke", "another"]]
@@ -115,6 +115,64 @@ def test_close_cancels_running_requests_and_joins(loaded):
     assert not engine.running and handle.result(WAIT).finish_reason in ("cancelled", "stop")
     with pytest.raises(RuntimeError):
         engine.submit(Request("late"))
+
+
+def test_eight_clients_with_cancels_and_bad_requests_all_end_exactly(loaded):
+    """8 threads x 3 requests through 4 rows: some wait (first in, first out), some are
+    cancelled mid-stream, some are bad; every stream ends and every output equals its solo run."""
+    prompts = [[4 + i, 40 + 3 * i, 9, 17 + i, 30] * (1 + i % 3) for i in range(8)]
+    solo = [mlx_mtp.generate(loaded, p, max_tokens=16).tokens for p in prompts]
+    errors, results = [], {}
+
+    def client(i, engine):
+        try:
+            for j in range(3):
+                if j == 1 and i % 3 == 0:  # a token id outside the vocabulary
+                    events = list(engine.submit(Request([1, 2, 999], max_tokens=4)).events(WAIT))
+                    assert events[-1].kind == "error" and "vocabulary" in events[-1].message
+                elif j == 2 and i % 2:  # cancelled after two tokens
+                    handle = engine.submit(Request(prompts[i], max_tokens=200))
+                    got = []
+                    for event in handle.events(WAIT):
+                        if event.kind == "token":
+                            got.append(event.token)
+                            if len(got) == 2:
+                                handle.cancel()
+                    assert list(event.tokens) == got
+                    full = mlx_mtp.generate(loaded, prompts[i], max_tokens=200).tokens
+                    assert got == full[: len(got)]
+                    assert event.finish_reason == "cancelled" or got == full  # or it stopped first
+                else:
+                    results[(i, j)] = tokens_of(engine.submit(Request(prompts[i], max_tokens=16, draft_tokens=2)))
+        except Exception as e:  # surfaced below
+            errors.append((i, e))
+
+    with Engine(loaded, max_batch=4) as engine:
+        threads = [threading.Thread(target=client, args=(i, engine)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(4 * WAIT)
+        metrics = engine.metrics()
+    assert not errors, errors
+    assert all(tokens == solo[i] for (i, _), tokens in results.items()) and len(results) >= 14
+    assert metrics["requests_running"] == 0 and metrics["requests_total"] == 24
+    assert metrics["spec_draft_tokens"] > metrics["spec_accepted_tokens"] > 0
+
+
+def test_queue_and_memory_limits(loaded):
+    with Engine(loaded, max_batch=1, max_queue=1) as engine:
+        running = engine.submit(Request("long", max_tokens=400))
+        next(running.events(WAIT))  # it runs: the next request waits
+        waiting = engine.submit(Request("second", max_tokens=2))
+        with pytest.raises(QueueFull):
+            engine.submit(Request("third", max_tokens=2))
+        running.cancel()
+        assert waiting.result(WAIT).finish_reason == "length"
+    with Engine(loaded, memory_limit=100_000) as engine:
+        with pytest.raises(MemoryLimitError, match="memory limit"):
+            engine.submit(Request("x", max_tokens=400)).result(WAIT)
+        assert len(tokens_of(engine.submit(Request("x", max_tokens=4)))) == 4
 
 
 def run_fresh(code: str) -> subprocess.CompletedProcess:

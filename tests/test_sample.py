@@ -16,14 +16,17 @@ import numpy as np
 import pytest
 
 from mlx_mtp.sample import (
+    ACCEPT,
+    DRAFT,
+    RESAMPLE,
     SamplingParams,
     acceptance_rate,
+    batch_probs,
     greedy_accept,
-    greedy_accept_batch,
     probs,
     rejection_accept,
-    rejection_accept_batch,
     sample,
+    uniform,
 )
 
 V, K, B = 6, 3, 100000
@@ -161,27 +164,53 @@ def test_greedy_is_one_hot_float32():
     assert probs(logits, SamplingParams(0.9, top_p=0.9)).dtype == mx.float32
 
 
-# ---------------------------------------------------------------- sample
+def test_batch_probs_applies_each_rows_parameters():
+    logits = mx.array(np.random.default_rng(3).normal(size=(4, 2, 9)), mx.float32)
+    params = [SamplingParams(), SamplingParams(0.7, top_k=3), SamplingParams(), SamplingParams(1.5, top_p=0.8)]
+    got = np.array(batch_probs(logits, params))
+    for row, p in enumerate(params):
+        np.testing.assert_allclose(got[row], np.array(probs(logits[row], p)), atol=1e-6)
+
+
+# ---------------------------------------------------------------- random numbers and sample
+
+
+def _uniforms(n, seed=0):
+    return mx.random.uniform(shape=(n,), key=mx.random.key(seed))
 
 
 def test_sample_never_draws_zero_mass():
     p = mx.broadcast_to(mx.array([0.2, 0.0, 0.5, 0.0, 0.3, 0.0]), (20000, 6))
-    draws = np.array(sample(p, key=mx.random.key(3)))
+    draws = np.array(sample(p, _uniforms(20000, 3)))
     counts = np.bincount(draws, minlength=6)
     stat, dof, pval = _chi2(counts, [0.2, 0, 0.5, 0, 0.3, 0])
     assert counts[[1, 3, 5]].sum() == 0 and pval > STRICT, (stat, dof, pval)
     one_hot = mx.broadcast_to(mx.array([0.0, 0.0, 1.0, 0.0]), (20000, 4))
-    assert np.all(np.array(sample(one_hot, key=mx.random.key(4))) == 2)
+    assert np.all(np.array(sample(one_hot, _uniforms(20000, 4))) == 2)
+    edges = mx.array([1e-9, 0.5, 1 - 1e-7])  # extreme uniforms stay on tokens with mass
+    assert set(np.array(sample(mx.broadcast_to(mx.array([0.0, 0.3, 0.7, 0.0]), (3, 4)), edges)).tolist()) <= {1, 2}
 
 
-def test_sample_shape_and_key_reproducibility():
-    p = probs(mx.random.normal((2, 3, 50), key=mx.random.key(0)), SamplingParams(1.0))
-    a, b = sample(p, key=mx.random.key(7)), sample(p, key=mx.random.key(7))
-    assert a.shape == (2, 3) and a.dtype == mx.int32
-    assert np.array_equal(np.array(a), np.array(b))
+def test_uniform_is_a_function_of_seed_position_and_stream():
+    seeds = mx.array([7, 7, 8], dtype=mx.uint32)
+    pos = mx.broadcast_to(mx.arange(50_000, dtype=mx.int32)[None], (3, 50_000))
+    u = np.array(uniform(seeds, pos, ACCEPT))
+    assert np.array_equal(u, np.array(uniform(seeds, pos, ACCEPT)))  # no hidden state
+    assert np.array_equal(u[0], u[1]) and not np.array_equal(u[0], u[2])
+    assert 0 < u.min() and u.max() < 1
+    stat, dof, pval = _chi2(np.histogram(u[0], bins=50, range=(0, 1))[0], np.full(50, 1 / 50))
+    assert pval > STRICT, (stat, dof, pval)
+    other = np.array(uniform(seeds, pos, DRAFT))[0]
+    for a, b in ((u[0][:-1], u[0][1:]), (u[0], other), (u[0], u[2])):  # positions, streams, seeds
+        assert abs(np.corrcoef(a, b)[0, 1]) < 0.02
+    assert uniform(seeds, pos[:, :5], RESAMPLE).shape == (3, 5)
 
 
 # ---------------------------------------------------------------- greedy accept
+
+
+def _lists(n, nxt):
+    return np.array(n).tolist(), np.array(nxt).tolist()
 
 
 @pytest.mark.parametrize("k", range(1, 7))
@@ -193,11 +222,14 @@ def test_greedy_accept_every_rejection_position(k):
         draft = target[:k].copy()
         if reject_at < k:
             draft[reject_at] = target[reject_at] + 1
-        assert greedy_accept(draft, target) == (reject_at, int(target[reject_at]))
         drafts.append(draft), targets.append(target), want_n.append(reject_at)
-    n, nxt = greedy_accept_batch(np.stack(drafts), np.stack(targets))
+    n, nxt = _lists(*greedy_accept(mx.array(np.stack(drafts)), mx.array(np.stack(targets))))
     assert n == want_n
     assert nxt == [int(t[i]) for t, i in zip(targets, want_n)]
+    limit = mx.array([min(i, 1) for i in range(k + 1)])  # rows counting 0 or 1 drafts
+    n, nxt = _lists(*greedy_accept(mx.array(np.stack(drafts)), mx.array(np.stack(targets)), limit))
+    assert n == [min(w, lim) for w, lim in zip(want_n, np.array(limit).tolist())]
+    assert nxt == [int(t[i]) for t, i in zip(targets, n)]
 
 
 # ---------------------------------------------------------------- rejection accept
@@ -215,13 +247,24 @@ def _deterministic_rows():
     return mx.array(drafts), mx.array(q), mx.array(p)
 
 
-def test_batched_and_single_agree_on_forced_outcomes():
+def _accept(drafts, q, p, seed=0, limit=None):
+    b, k = drafts.shape
+    keys = mx.random.split(mx.random.key(seed))
+    u = mx.random.uniform(shape=(b, k), key=keys[0])
+    u_draw = mx.random.uniform(shape=(b, k + 1), key=keys[1])
+    return _lists(*rejection_accept(drafts, q, p, u, u_draw, limit))
+
+
+def test_forced_outcomes_and_per_row_limits():
     drafts, q, p = _deterministic_rows()
-    want = (list(range(K + 1)), list(range(1, K + 2)))
-    assert rejection_accept_batch(drafts, q, p, key=mx.random.key(0)) == want
-    assert rejection_accept_batch(drafts, q, p) == want
-    for j in range(K + 1):
-        assert rejection_accept(drafts[j], q[j], p[j]) == (j, j + 1)
+    assert _accept(drafts, q, p) == (list(range(K + 1)), list(range(1, K + 2)))
+    # Row j counting only `limit` drafts: accepted min(j, limit); at the limit the bonus
+    # comes from p there (no drafter term), below it the correction.
+    limit = mx.array([1] * (K + 1))
+    n, nxt = _accept(drafts, q, p, limit=limit)
+    assert n == [0] + [1] * K
+    # row 0: correction eye[1]; row 1: bonus p[1, 1] = eye[2]; rows j >= 2: bonus p[j, 1] = eye[0]
+    assert nxt == [1, 2] + [0] * (K - 1)
 
 
 def _random_problem(b, k, v, seed):
@@ -229,20 +272,14 @@ def _random_problem(b, k, v, seed):
     params = SamplingParams(1.0, top_k=v // 2)
     q = probs(mx.random.normal((b, k, v), key=keys[0]), params)
     p = probs(mx.random.normal((b, k + 1, v), key=keys[1]), params)
-    return sample(q, key=keys[2]), q, p
+    return sample(q, mx.random.uniform(shape=(b, k), key=keys[2])), q, p
 
 
-def test_same_key_same_decisions():
+def test_same_uniforms_same_decisions():
     drafts, q, p = _random_problem(64, 4, 8, seed=5)
-    first = rejection_accept_batch(drafts, q, p, key=mx.random.key(11))
-    assert rejection_accept_batch(drafts, q, p, key=mx.random.key(11)) == first
-    others = [
-        rejection_accept_batch(drafts, q, p, key=mx.random.key(s)) for s in (12, 13)
-    ]
-    assert any(o != first for o in others)
-    n1, t1 = rejection_accept(drafts[0], q[0], p[0], key=mx.random.key(11))
-    n, t = rejection_accept_batch(drafts[:1], q[:1], p[:1], key=mx.random.key(11))
-    assert (n1, t1) == (n[0], t[0])
+    first = _accept(drafts, q, p, seed=11)
+    assert _accept(drafts, q, p, seed=11) == first
+    assert any(_accept(drafts, q, p, seed=s) != first for s in (12, 13))
     assert all(0 <= x <= 4 for x in first[0])
 
 
@@ -254,14 +291,14 @@ def test_zero_q_draft_rejected_and_empty_residual_falls_back_to_p():
     bonus = mx.broadcast_to(mx.array([[0.0, 0, 0, 1]]), (rows, 1, 4))
     p = mx.concatenate([pq, bonus], axis=1)
     drafts = mx.full((rows, 1), 2, mx.int32)
-    n, nxt = rejection_accept_batch(drafts, pq, p, key=mx.random.key(9))
+    n, nxt = _accept(drafts, pq, p, seed=9)
     assert set(n) == {0} and set(nxt) <= {0, 1}
     assert abs(np.mean(nxt) - 0.5) < 5 * math.sqrt(0.25 / rows)
 
 
 def test_no_drafts_draws_from_p0():
     p = mx.broadcast_to(mx.array([[0.0, 0.0, 1.0]]), (3, 1, 3))
-    n, nxt = rejection_accept_batch(mx.zeros((3, 0), mx.int32), mx.zeros((3, 0, 3)), p)
+    n, nxt = _accept(mx.zeros((3, 0), mx.int32), mx.zeros((3, 0, 3)), p)
     assert n == [0, 0, 0] and nxt == [2, 2, 2]
 
 
@@ -279,7 +316,7 @@ def _propose_sampled(prev, key):
     drafts, qs = [], []
     for sub in mx.random.split(key, K):
         qi = Q_TAB[prev]
-        prev = sample(qi, key=sub)
+        prev = sample(qi, mx.random.uniform(shape=prev.shape, key=sub))
         drafts.append(prev), qs.append(qi)
     return mx.stack(drafts, 1), mx.stack(qs, 1)
 
@@ -314,10 +351,11 @@ def _simulate(propose, seed):
     rows = np.arange(B)
     first_n = None
     while count.min() < N_TOKENS:
-        key, k_prop, k_acc = mx.random.split(key, 3)
+        key, k_prop, k_acc, k_draw = mx.random.split(key, 4)
         drafts, q = propose(prev, k_prop)
         p = P_TAB[mx.concatenate([prev[:, None], drafts], axis=1)]
-        n, nxt = rejection_accept_batch(drafts, q, p, key=k_acc)
+        u, u_draw = mx.random.uniform(shape=(B, K), key=k_acc), mx.random.uniform(shape=(B, K + 1), key=k_draw)
+        n, nxt = rejection_accept(drafts, q, p, u, u_draw)
         n, nxt = np.array(n), np.array(nxt)
         emitted = np.concatenate([np.array(drafts), nxt[:, None]], axis=1)
         emitted[rows, n] = nxt

@@ -1,5 +1,6 @@
-"""End to end: MTP sampling with the real tiny target and an independent random drafter has
-exactly the target's distribution, and the measured acceptance matches sum_x min(p, q)."""
+"""End to end: MTP sampling on the batched round, with the real tiny target and an independent
+random drafter, has exactly the target's distribution for each row's own sampling parameters,
+and the measured acceptance matches sum_x min(p, q)."""
 
 import math
 
@@ -8,57 +9,60 @@ import numpy as np
 from conftest import reference, tiny_drafter, tiny_target
 from test_sample import STRICT, _chi2
 
+from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.sample import SamplingParams, acceptance_rate, probs
-from mlx_mtp.speculative import RoundState, run_round
+from mlx_mtp.speculative import BatchState, Plan, run_round
 
 ROWS, K = 4000, 2
-SAMPLING = SamplingParams(temperature=1.0, top_k=40)
+# Half the rows sample one way, half another: one verify forward serves both.
+GROUPS = (SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.7, top_p=0.9))
 
 
 def setup():
     target, ref = tiny_target("dense"), reference("dense")
     prompt, bonus = ref["prompt"].tolist(), int(ref["greedy"][0])
-    cache = target.make_cache(ROWS, max_rollback=K + 1)
+    cache = target.make_cache(ROWS, max_rollback=2 * K + 2)
     out = target(mx.array([prompt] * ROWS), cache)
-    state = RoundState(mx.full((ROWS,), bonus, dtype=mx.int32), out.hidden[:, -1], out.shared_kv)
+    seeds = mx.array(np.random.default_rng(0).integers(0, 2**32, ROWS), dtype=mx.uint32)
+    state = BatchState(mx.full((ROWS,), bonus, dtype=mx.int32), out.hidden[:, -1], seeds)
     return target, prompt + [bonus], cache, state
 
 
-def test_mtp_sampled_tokens_follow_the_target_distribution():
+def test_mtp_sampled_tokens_follow_each_rows_target_distribution():
     target, context, cache, state = setup()
-    drafter, key = tiny_drafter("dense"), mx.random.key(3)
+    drafter = MTPProposer(tiny_drafter("dense"), target)
+    params = tuple(GROUPS[i % 2] for i in range(ROWS))
+    plan = Plan(params, (K,) * ROWS)
     emitted = [[] for _ in range(ROWS)]
-    first_accepted = []
+    first_accepted = None
     while min(len(e) for e in emitted) < 2:
-        key, sub = mx.random.split(key)
-        result = run_round(target, drafter, cache, state, K, SAMPLING, [8] * ROWS, [frozenset()] * ROWS, sub)
-        if not first_accepted:
-            first_accepted = [n > 0 for n in result.accepted]
-        for row, tokens in zip(emitted, result.emitted):
-            row.extend(tokens)
-        state = result.state
-    first = np.array([e[0] for e in emitted])
-    second = np.array([e[1] for e in emitted])
+        state, out = run_round(target, drafter, cache, state, plan)
+        tokens, accepted = out.tokens.tolist(), out.accepted.tolist()
+        first_accepted = first_accepted or [n > 0 for n in accepted]
+        for row, toks, n in zip(emitted, tokens, accepted):
+            row.extend(toks[: n + 1])
+    first, second = np.array([e[0] for e in emitted]), np.array([e[1] for e in emitted])
 
-    # exact target laws: p1(x) and p2(y) = sum_x p1(x) p(y | x)
-    p1 = np.array(probs(target(mx.array([context])).logits[0, -1], SAMPLING))
     nxt = target(mx.array([context + [x] for x in range(128)])).logits[:, -1]
-    p2 = p1 @ np.array(probs(nxt, SAMPLING))
-    for tokens, law in ((first, p1), (second, p2)):
-        stat, dof, pvalue = _chi2(np.bincount(tokens, minlength=128), law)
-        assert pvalue > STRICT, (stat, dof)
+    last = target(mx.array([context])).logits[0, -1]
+    q1 = first_draft_logits(target, tiny_drafter("dense"), context)
+    for g, sampling in enumerate(GROUPS):
+        rows = np.arange(g, ROWS, 2)
+        p1 = np.array(probs(last, sampling))  # exact laws: p1(x), p2(y) = sum_x p1(x) p(y | x)
+        p2 = p1 @ np.array(probs(nxt, sampling))
+        for tokens, law in ((first[rows], p1), (second[rows], p2)):
+            stat, dof, pvalue = _chi2(np.bincount(tokens, minlength=128), law)
+            assert pvalue > STRICT, (g, stat, dof)
+        # acceptance of the first draft vs the theory: sum_x min(p1(x), q1(x))
+        theory = acceptance_rate(mx.array(p1), probs(q1, sampling))
+        measured = float(np.mean(np.array(first_accepted)[rows]))
+        assert 0.05 < theory < 0.95  # rejections and acceptances both really happen
+        assert abs(measured - theory) < 5 * math.sqrt(theory * (1 - theory) / len(rows))
 
-    # acceptance of the first draft vs the theory: sum_x min(p1(x), q1(x))
-    q1 = first_draft_distribution(target, drafter, context)
-    theory = acceptance_rate(mx.array(p1), q1)
-    measured = float(np.mean(first_accepted))
-    assert 0.05 < theory < 0.95  # rejections and acceptances both really happen
-    assert abs(measured - theory) < 5 * math.sqrt(theory * (1 - theory) / ROWS)
 
-
-def first_draft_distribution(target, drafter, context):
-    cache = target.make_cache(1, max_rollback=K + 1)
+def first_draft_logits(target, drafter, context):
+    cache = target.make_cache(1)
     out = target(mx.array([context[:-1]]), cache)
     step = drafter.draft_step(target.embed(mx.array([[context[-1]]]))[:, 0], out.hidden[:, -1],
                               out.shared_kv, mx.array([len(context) - 1]))
-    return probs(step.full_logits(128), SAMPLING)[0]
+    return step.full_logits(128)[0]

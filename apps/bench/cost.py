@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_mtp.cache import FULL, SLIDING
+from mlx_mtp.cache import FULL, SLIDING, KVCache, Step
 from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import SharedKV
 
@@ -113,26 +113,28 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
     ctx = min(context, window) if window else context
     P = cfg.hidden_size_per_layer_input
     out = {}
+    own = "k_proj" in attn  # computes K/V (else reads the producer's, new tokens included)
     for T in sizes:
-        kv_shape = (1, attn.n_kv, ctx, attn.head_dim)
+        kv_shape = (1, attn.n_kv, ctx + (0 if own else T), attn.head_dim)
         ck, cv = mx.random.normal(kv_shape), mx.random.normal(kv_shape)
-        if not attn.has_kv:  # a shared layer reads the producer's K/V, new tokens included
-            ck, cv = mx.random.normal((1, attn.n_kv, ctx + T, attn.head_dim)), mx.random.normal(
-                (1, attn.n_kv, ctx + T, attn.head_dim))
         mask = mx.array(np.tril(np.ones((T, ctx + T), dtype=bool), k=ctx))[None, None]
         x0 = mx.random.normal((1, T, cfg.hidden_size)) * 0.1
         pli = mx.random.normal((1, T, P)) if P else None
         mx.eval(ck, cv, mask, x0, *(a for a in [pli] if a is not None))
+        cache = None
+        if own:  # a real cache holding `ctx` positions, rolled back after every timed forward
+            cache = KVCache([attn.layer_type] * (index + 1), cfg.sliding_window, 1, max_rollback=max(sizes))
+            cache.update(index, ck, cv, cache.begin(ctx))
+        shared = Step(mx.arange(ctx, ctx + T)[None], ctx, {attn.layer_type: mask}, {})
 
         def chain():
             x = x0
+            step = cache.begin(T) if own else shared
             for layer in layers:
-                kv = (ck, cv)
-                if layer.self_attn.has_kv:
-                    k, v = layer.self_attn.keys_values(layer.input_layernorm(x), ctx)
-                    kv = (mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2))
-                x = layer(x, kv, mask, ctx, pli)
+                x, _ = layer(x, step, cache, None if own else (ck, cv), pli)
             mx.eval(x)
+            if own:
+                cache.trim(T)
 
         out[T] = time_fn(chain, repeats) / copies
         log(f"  layer {index} ({attn.layer_type}) T={T}: {1000 * out[T]:.1f} ms/layer")

@@ -35,12 +35,13 @@ def measure_union(loaded, prompts, k, n, repeats):
     def run(record: bool):
         gen = BatchGenerator(loaded.target, drafter, draft_tokens=k)
         for p in prompts:
-            gen.add(p, max_tokens=n)
-        gen.step()  # first tokens + one round, not measured
+            gen.insert(p, max_tokens=n)
+        while gen.pending:  # prompts, one chunk per step: not measured
+            gen.step()
         steps, unions = [], []
-        while gen.active:
+        while gen.busy:
             gemma4.ROUTER_RECORD = [] if record else None
-            rows = gen.active
+            rows = len(gen.rows)
             start = time.perf_counter()
             gen.step()
             steps.append(time.perf_counter() - start)

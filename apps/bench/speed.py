@@ -107,14 +107,14 @@ def ours_batch(loaded, prompts, n, k) -> Run:
     start = time.perf_counter()
     gen = BatchGenerator(loaded.target, loaded.drafter if k is not None else None,
                          draft_tokens=k if k is not None else 0)
-    uids = [gen.add(p, max_tokens=n) for p in prompts]
+    uids = [gen.insert(p, max_tokens=n) for p in prompts]
     out = {u: [] for u in uids}
     ttft = None
-    while gen.active:
-        for uid, toks, _ in gen.step():
-            out[uid] += toks
-        if ttft is None:
-            ttft = time.perf_counter() - start
+    while gen.busy:
+        for event in gen.step():
+            out[event.uid] += event.tokens
+            if ttft is None and event.tokens:
+                ttft = time.perf_counter() - start
     return from_stats([out[u] for u in uids], time.perf_counter() - start, gen.stats, ttft)
 
 
@@ -348,6 +348,7 @@ def run_oracle(args, log=print) -> dict:
     oracle-P     a drafter that pays the real drafter's cost but proposes the target's true
                  continuation with probability P, fixed K
     """
+    from mlx_mtp.drafters import MTPProposer
     from mlx_mtp.loading import load_model
     from mlx_mtp.oracle import OracleDrafter
 
@@ -368,7 +369,8 @@ def run_oracle(args, log=print) -> dict:
                  "random-auto": lambda: run(target, prompt, n, drafter, "auto")}
         for p in (0.6, 0.8, 0.95):
             modes[f"oracle-{p}"] = lambda p=p: run(
-                target, prompt, n, OracleDrafter(truth, len(prompt), target.vocab_size, p, inner=drafter), args.k)
+                target, prompt, n, OracleDrafter(truth, len(prompt), target.vocab_size, p, inner=MTPProposer(drafter, target)),
+                args.k)
         for fn in modes.values():
             fn()
         times, last = {m: [] for m in modes}, {}

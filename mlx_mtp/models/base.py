@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from ..cache import KVCache
+from ..cache import KVCache, SharedKV
 
 log = logging.getLogger("mlx_mtp")
 
@@ -49,21 +48,9 @@ class BaseConfig:
         return cls(**{k: v for k, v in params.items() if k in names})
 
 
-class SharedKV(NamedTuple):
-    """A read-only view of one store layer's K/V as the drafter needs it.
-
-    keys/values: (B, n_kv, T, head_dim). positions: (B, T) int32 absolute positions of
-    each slot, -1 for empty or rolled-back slots; masks are derived from these.
-    """
-
-    keys: mx.array
-    values: mx.array
-    positions: mx.array
-
-
 class TargetOutput(NamedTuple):
-    logits: mx.array  # (B, L, V), after the final softcap
-    hidden: mx.array  # (B, L, H), post final norm: the lm_head input
+    logits: Optional[mx.array]  # (B, L, V), after the final softcap
+    hidden: Optional[mx.array]  # (B, L, H), post final norm: the lm_head input
     shared_kv: dict[str, SharedKV]  # layer type -> store layer K/V
 
 
@@ -97,11 +84,13 @@ class TargetModel(Protocol):
     vocab_size: int
     config: Any  # read for max_position_embeddings
 
-    def __call__(self, tokens: mx.array, cache: Optional["KVCache"] = None) -> TargetOutput: ...
+    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, keep: Optional[int] = None) -> TargetOutput:
+        """Forward after what `cache` holds; `keep`: outputs wanted only for the last `keep` positions."""
+        ...
 
-    def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> "KVCache": ...
+    def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> KVCache: ...
 
-    def shared_kv(self, cache: "KVCache") -> dict[str, SharedKV]:
+    def shared_kv(self, cache: KVCache) -> dict[str, SharedKV]:
         """Current views of the K/V the drafter reads."""
         ...
 

@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..cache import FULL, SLIDING, KVCache
+from ..cache import FULL, SLIDING, KVCache, Step
 from .base import BaseConfig, ConfigError, TargetOutput, log, rms_norm
 
 
@@ -176,17 +176,17 @@ def rope_frequencies(params: dict, head_dim: int) -> tuple[int, Optional[float],
 class Attention(nn.Module):
     def __init__(self, cfg: Config, i: int):
         super().__init__()
+        self.index = i
         self.layer_type = cfg.layer_types[i]
         self.head_dim = hd = cfg.layer_head_dim(i)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.layer_kv_heads(i)
-        self.has_kv = i < cfg.first_shared_layer
         self.k_eq_v = cfg.attention_k_eq_v and self.layer_type == FULL
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        if self.has_kv:
+        if i < cfg.first_shared_layer:
             self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             if not self.k_eq_v:
                 self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
@@ -202,23 +202,20 @@ class Attention(nn.Module):
             offset=offset, freqs=self._rope_freqs,
         )
 
-    def queries(self, x: mx.array, offset) -> mx.array:
+    def __call__(self, x: mx.array, step: Step, cache: Optional[KVCache] = None, shared_kv=None):
+        """Returns (output, kv): kv is the (keys, values) attended over, which a KV-shared
+        layer passes in as `shared_kv` instead of computing its own."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        return self.rope(q.transpose(0, 2, 1, 3), offset)
-
-    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
-        B, L, _ = x.shape
-        k_raw = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        v_raw = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset)
-        v = rms_norm(v_raw, None, self.eps).transpose(0, 2, 1, 3)
-        return k, v
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-        B, _, L, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), step.offset)
+        if shared_kv is None:
+            k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+            v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), step.offset)
+            v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+            shared_kv = cache.update(self.index, k, v, step)
+        out = mx.fast.scaled_dot_product_attention(q, *shared_kv, scale=1.0, mask=step.masks[self.layer_type])
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared_kv
 
 
 class MLP(nn.Module):
@@ -298,34 +295,20 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(P, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
-    def feed_forward(self, r: mx.array) -> mx.array:
-        h = self.mlp(self.pre_feedforward_layernorm(r))
+    def __call__(self, x, step: Step, cache=None, shared_kv=None, per_layer_input=None):
+        """One residual block; returns (output, kv) as `Attention` does."""
+        attn, kv = self.self_attn(self.input_layernorm(x), step, cache, shared_kv)
+        h = x + self.post_attention_layernorm(attn)
+        f = self.mlp(self.pre_feedforward_layernorm(h))
         if "router" in self:
-            idx, weights = self.router(r)
-            h2 = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(h2)
-        return r + self.post_feedforward_layernorm(h)
-
-    def __call__(self, x, kv, mask, offset, per_layer_input=None):
-        """kv: this layer's (keys, values) over all visible slots (a shared layer's source)."""
-        return self._block(x, self.input_layernorm(x), kv, mask, offset, per_layer_input)
-
-    def with_own_kv(self, x, update, mask, offset, per_layer_input=None):
-        """For a layer computing K/V: `update(k, v)` stores them and returns all visible slots.
-        Returns (output, kv) so KV-shared layers can reuse kv."""
-        normed = self.input_layernorm(x)
-        kv = update(*self.self_attn.keys_values(normed, offset))
-        return self._block(x, normed, kv, mask, offset, per_layer_input), kv
-
-    def _block(self, x, normed, kv, mask, offset, per_layer_input):
-        attn = self.self_attn
-        q = attn.queries(normed, offset)
-        h = x + self.post_attention_layernorm(attn.attend(q, *kv, mask))
-        h = self.feed_forward(h)
+            idx, weights = self.router(h)
+            experts = self.experts(self.pre_feedforward_layernorm_2(h), idx, weights)
+            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(experts)
+        h = h + self.post_feedforward_layernorm(f)
         if per_layer_input is not None:
             g = gelu_tanh_glu(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar
+        return h * self.layer_scalar, kv
 
 
 def scaled_embed(embedding: nn.Module, ids: mx.array, scale: float) -> mx.array:
@@ -342,6 +325,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sources = {cfg.kv_source(i) for i in range(cfg.first_shared_layer, cfg.num_hidden_layers)}
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
             self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * P)
@@ -360,20 +344,30 @@ class TextModel(nn.Module):
         ctx = self.per_layer_projection_norm(ctx.reshape(shape))
         return (ctx + tok) * (2.0**-0.5)
 
-    def __call__(self, ids: mx.array, cache: KVCache, pad=None):
+    def __call__(self, ids: mx.array, cache: KVCache, keep: Optional[int] = None) -> Optional[mx.array]:
+        """Hidden states (B, L, H), or only the last `keep` positions' (None for keep=0)."""
         cfg = self.cfg
+        L = ids.shape[1]
+        step = cache.begin(L)
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
-        qpos, offset = cache.begin(ids.shape[1], pad)
-        masks = {t: cache.attention_mask(t, qpos) for t in (SLIDING, FULL)}
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
         for i, layer in enumerate(self.layers):
-            src, mask = cfg.kv_source(i), masks[cfg.layer_types[i]]
+            src = cfg.kv_source(i)
+            if i == cfg.first_shared_layer and keep is not None and keep < L:
+                # KV-shared layers store nothing: run them only where their output is used.
+                if keep == 0:
+                    return None
+                x, step = x[:, L - keep :], step.last(keep)
+                ple = ple[:, L - keep :] if ple is not None else None
             pli = ple[:, :, i] if ple is not None else None
-            if src == i:
-                x, kvs[i] = layer.with_own_kv(x, partial(cache.update, i), mask, offset, pli)
-            else:
-                x = layer(x, kvs[src], mask, offset, pli)
+            x, kv = layer(x, step, cache if src == i else None, kvs.get(src), pli)
+            if src == i and i in self.sources:
+                kvs[i] = kv
+        if keep is not None:
+            if keep == 0:
+                return None
+            x = x[:, x.shape[1] - keep :]
         return self.norm(x)
 
 
@@ -396,10 +390,12 @@ class Model(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, pad=None) -> TargetOutput:
+    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, keep: Optional[int] = None) -> TargetOutput:
+        """Forward `tokens` (B, L) after what `cache` holds. `keep`: only the last `keep`
+        positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
-        hidden = self.model(tokens, cache, pad)
-        logits = self.logits(hidden)
+        hidden = self.model(tokens, cache, keep)
+        logits = None if hidden is None else self.logits(hidden)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
 
     def shared_kv(self, cache: KVCache) -> dict:

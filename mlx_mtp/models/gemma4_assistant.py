@@ -15,7 +15,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import FULL, SLIDING
+from ..cache import FULL, SLIDING, Step
 from . import gemma4
 from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel
 
@@ -91,13 +91,19 @@ class Model(nn.Module):
             shared_kv: the target's store-layer K/V, holding exactly positions < `position`.
             position: (B,) int32 query position p, constant within a draft block.
         """
-        x = self.pre_projection(mx.concatenate([token_embed, hidden.astype(token_embed.dtype)], -1))
-        h = self.model(x[:, None], shared_kv, position)[:, 0]
+        h = self.trunk(token_embed[:, None], hidden[:, None], shared_kv, position[:, None])[:, 0]
         next_hidden = self.post_projection(h)
         if "masked_embedding" in self:
             logits, ids = self.masked_embedding(h, self.model.embed_tokens)
             return DraftOutput(logits, next_hidden, ids)
         return DraftOutput(self.model.embed_tokens.as_linear(h), next_hidden)
+
+    def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV],
+              positions: mx.array) -> mx.array:
+        """Pre-projection and decoder layers for (B, T) queries at consecutive positions: one
+        query per row when drafting, a whole text chunk at once when training."""
+        x = self.pre_projection(mx.concatenate([token_embed, hidden.astype(token_embed.dtype)], -1))
+        return self.model(x, shared_kv, positions)
 
     def check_target(self, target: TargetModel) -> None:
         """Raise ValueError unless this drafter can read `target`'s hidden state and K/V."""
@@ -146,19 +152,21 @@ class _DraftBody(nn.Module):
         self.layers = [gemma4.DecoderLayer(t, i) for i in range(t.num_hidden_layers)]
         self.norm = gemma4.RMSNorm(t.hidden_size, t.rms_norm_eps)
 
-    def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], position: mx.array) -> mx.array:
-        masks = {kind: self.mask(kind, kv.positions, position) for kind, kv in shared_kv.items()}
+    def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], positions: mx.array) -> mx.array:
+        masks = {kind: self.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
+        step = Step(positions, positions[:, 0], masks, {})
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             kv = shared_kv[kind]
-            x = layer(x, (kv.keys, kv.values), masks[kind], position)
+            x, _ = layer(x, step, shared_kv=(kv.keys, kv.values))
         return self.norm(x)
 
-    def mask(self, kind: str, kpos: mx.array, position: mx.array) -> mx.array:
-        """(B, 1, 1, T): full sees every position < p; sliding the last W + 1 of them
-        (transformers' flipped bidirectional window, checked against its outputs)."""
-        p = position[:, None]
-        visible = (kpos >= 0) & (kpos < p)
+    def mask(self, kind: str, kpos: mx.array, positions: mx.array) -> mx.array:
+        """(B, 1, T, T_kv) for queries at `positions` (B, T): full sees every position < p;
+        sliding the last W + 1 of them (transformers' flipped bidirectional window, checked
+        against its outputs)."""
+        k, p = kpos[:, None, :], positions[:, :, None]
+        visible = (k >= 0) & (k < p)
         if kind == SLIDING:
-            visible = visible & (kpos >= p - self.cfg.sliding_window - 1)
-        return visible[:, None, None, :]
+            visible = visible & (k >= p - self.cfg.sliding_window - 1)
+        return visible[:, None]
 
