@@ -167,6 +167,33 @@ class RequestHandle:
 _STOP = object()
 
 
+# ---- server additions (issue 11), to be ported into the scheduler rewrite ----------------
+
+
+class QueueFull(RuntimeError):
+    """`submit` found `max_queue` requests already waiting; try again later."""
+
+
+def _new_counters() -> dict:
+    return dict(requests_total=0, prompt_tokens_total=0, generation_tokens_total=0, spec_drafts=0,
+                spec_draft_tokens=0, spec_accepted_tokens=0, spec_accepted_per_pos=[])
+
+
+def _count(counters: dict, stats: Stats) -> None:
+    """Add one finished request's work to the engine's counters (vLLM's speculative names)."""
+    counters["prompt_tokens_total"] += stats.prompt_tokens
+    counters["generation_tokens_total"] += stats.emitted
+    counters["spec_drafts"] += stats.rounds
+    counters["spec_draft_tokens"] += stats.drafted
+    counters["spec_accepted_tokens"] += stats.accepted
+    per_pos = counters["spec_accepted_per_pos"]
+    per_pos += [0] * (len(stats.accepted_at) - len(per_pos))
+    for i, n in enumerate(stats.accepted_at):
+        per_pos[i] += n
+
+# ---- end of server additions ---------------------------------------------------------------
+
+
 class Engine:
     """Serves requests for one loaded model on a worker thread.
 
@@ -178,9 +205,13 @@ class Engine:
     failed request leaves the conversation as it was.
     """
 
-    def __init__(self, loaded, max_rollback: Optional[int] = None):
+    def __init__(self, loaded, max_rollback: Optional[int] = None, max_batch: int = 8,
+                 max_queue: Optional[int] = None):
         self.loaded = loaded
         self.max_rollback = max_rollback
+        self.max_batch = max_batch  # server addition: the rewrite serves this many at once; this engine one
+        self.max_queue = max_queue  # server addition: `submit` raises QueueFull past this many waiting
+        self._counters = _new_counters()  # server addition
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -197,13 +228,17 @@ class Engine:
 
         Raises:
             ValueError: a malformed request. KeyError: an unknown conversation.
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed. QueueFull: `max_queue` requests are waiting.
         """
         request.check()
         with self._lock:
             self._check_open()
             conversation = None if request.conversation is None else self._conversation(request.conversation)
+            # server addition:
+            if self.max_queue is not None and self._count_state("queued") >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, conversation)
+            self._counters["requests_total"] += 1  # server addition
             self._live.add(handle)
             self._inbox.put(handle)
         return handle
@@ -251,6 +286,19 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    # ---- server addition: counters for /metrics --------------------------------------------
+
+    def metrics(self) -> dict:
+        """Requests running and waiting now, and counters since the engine started."""
+        with self._lock:
+            out = dict(self._counters, spec_accepted_per_pos=list(self._counters["spec_accepted_per_pos"]))
+            out.update(requests_running=self._count_state("running"),
+                       requests_waiting=self._count_state("queued"))
+        return out
+
+    def _count_state(self, state: str) -> int:
+        return sum(handle._state == state for handle in self._live)
 
     def __enter__(self) -> "Engine":
         return self
@@ -313,6 +361,9 @@ class Engine:
         except Exception as e:
             handle._finish(ErrorEvent(e))
             return
+        finally:
+            with self._lock:
+                _count(self._counters, stats)  # server addition
         handle._finish(DoneEvent(finish, "".join(text), tuple(tokens), stats))
 
     def _open(self, request: Request, conversation: Optional[Conversation]):
