@@ -209,7 +209,7 @@ class Engine:
     Args:
         loaded: a `load()`ed model (with a drafter for MTP).
         max_batch: rows generated together; more requests wait (first in, first out).
-        max_queue: waiting requests beyond which `submit` raises `QueueFull`.
+        max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
         prefill_chunk: prompt tokens processed per round.
         memory_limit: bytes the batch's KV cache may take (default: half the device memory).
         draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
@@ -220,7 +220,7 @@ class Engine:
     conversation as it was.
     """
 
-    def __init__(self, loaded, max_batch: int = 8, max_queue: int = 256, prefill_chunk: int = 512,
+    def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
                  memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -254,7 +254,7 @@ class Engine:
             self._check_open()
             if request.conversation is not None:
                 self._conversation(request.conversation)
-            if self._metrics["requests_waiting"] >= self.max_queue:
+            if self.max_queue is not None and self._metrics["requests_waiting"] >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
             self._live.add(handle)
@@ -458,7 +458,8 @@ class Engine:
             log.exception("a generation step failed")
             for uid, run in list(self._running.items()):
                 self._end(uid, run, ErrorEvent(e), left=None)
-            self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+            stats, self._gen = self._gen.stats, BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+            self._gen.stats = stats  # counters never go back
             return
         for event in events:
             run = self._running.get(event.uid)

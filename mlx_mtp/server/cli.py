@@ -1,0 +1,86 @@
+"""`python -m mlx_mtp.server` / `mlx-mtp-server`: load a model, start the Engine, serve HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEMO_ID = "mlx-mtp-demo"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from ..chat import draft_tokens
+    from .app import MAX_BODY_BYTES
+
+    ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI-compatible server for Gemma 4 "
+                                 "with MTP speculative decoding (chat and text completions, SSE streaming).")
+    ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
+    ap.add_argument("--drafter", help="MTP drafter dir or hub id (default: none, plain decoding; the demo's "
+                    "own drafter for the demo pair)")
+    ap.add_argument("--served-model-name",
+                    help=f"the id clients send as `model` (default: --model, or {DEMO_ID!r})")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: 127.0.0.1, this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
+    ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/ endpoints")
+    ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
+                    help="draft length for requests that do not send `draft_tokens`")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help="larger request bodies get 413")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return ap.parse_args(argv)
+
+
+def load_model(args):
+    """The model to serve and the id clients name it by."""
+    import mlx.core as mx
+
+    from ..chat import demo_pair
+    from ..loading import load
+
+    model, drafter, dtype, name = args.model, args.drafter, args.dtype, args.model
+    if model is None:
+        model, demo_drafter = demo_pair()
+        drafter, dtype, name = drafter or demo_drafter, dtype or "float32", DEMO_ID
+    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
+    if loaded.tokenizer is None:
+        raise ValueError(f"{model} has no tokenizer: the server needs one")
+    return loaded, args.served_model_name or str(name)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import uvicorn
+
+    from ..engine import Engine
+    from .app import Settings, create_app, served_model
+
+    if args.host not in LOCAL_HOSTS:
+        print(f"warning: serving on {args.host}, reachable from other machines"
+              + ("" if args.api_key else "; consider --api-key"), file=sys.stderr)
+    try:
+        loaded, model_id = load_model(args)
+    except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    settings = Settings(served_model(loaded, model_id, args.draft_tokens), args.api_key, args.max_body_bytes)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
+    # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue) as engine:
+            mtp = "on" if loaded.drafter is not None else "off: no drafter"
+            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp})", file=sys.stderr,
+                  flush=True)
+            # Open streams get a few seconds to finish on shutdown; then they are cancelled.
+            uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
+                        log_level=args.log_level, timeout_graceful_shutdown=3)
+    except KeyboardInterrupt:
+        pass
+    return 0

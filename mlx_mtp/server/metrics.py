@@ -1,0 +1,43 @@
+"""`GET /metrics`: the engine's counters in Prometheus' text format.
+
+Names follow vLLM's (`vllm:spec_decode_num_drafts` and friends) under our own `mlx_mtp:`
+prefix, so a vLLM dashboard needs only the prefix changed.
+"""
+
+from __future__ import annotations
+
+PREFIX = "mlx_mtp:"
+# (engine key, metric name, type, help)
+METRICS = [
+    ("requests_running", "num_requests_running", "gauge", "Requests generating now."),
+    ("requests_waiting", "num_requests_waiting", "gauge", "Requests waiting for a row."),
+    ("requests_total", "requests_total", "counter", "Requests accepted since start."),
+    ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens prefilled."),
+    ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated."),
+    ("spec_drafts", "spec_decode_num_drafts_total", "counter", "Verify forwards that carried drafts."),
+    ("spec_draft_tokens", "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
+    ("spec_accepted_tokens", "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+]
+PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def render(values: dict) -> str:
+    """Prometheus exposition text (format 0.0.4) for `Engine.metrics()`."""
+    lines = []
+    for key, name, kind, help_text in METRICS:
+        lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}",
+                  f"{PREFIX}{name} {values.get(key, 0)}"]
+    lines += [f"# HELP {PER_POS} Draft tokens accepted at each draft position.", f"# TYPE {PER_POS} counter"]
+    per_pos = values.get("spec_accepted_per_pos", [])
+    lines += [f'{PER_POS}{{position="{i}"}} {n}' for i, n in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+def parse(text: str) -> dict:
+    """Samples of a metrics page by name (labels kept in the name): for tests and the load test."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
