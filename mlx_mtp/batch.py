@@ -79,6 +79,7 @@ class _Row:
     first: Optional[mx.array] = None
     snapshot: Optional[Snapshot] = None
     began: float = 0.0
+    context: Optional[list] = None  # the tokens `cache` held at insert, if known
 
     @property
     def length(self) -> int:
@@ -143,7 +144,8 @@ class BatchGenerator:
     def insert(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                seed: Optional[int] = None, stop_ids: Sequence[int] = (), mtp: bool = True,
                draft_tokens: Union[int, str] = "auto", cache: Optional[KVCache] = None,
-               keep_cache: bool = False, snapshot: bool = False, stats: Optional[Stats] = None) -> int:
+               keep_cache: bool = False, snapshot: bool = False, stats: Optional[Stats] = None,
+               context: Optional[Sequence[int]] = None) -> int:
         """Queue a sequence; returns its uid. Its first token comes from a later `step()`.
 
         Args:
@@ -160,6 +162,7 @@ class BatchGenerator:
             keep_cache: keep the row's cache when it finishes, for `remove(uid)`.
             snapshot: snapshot the sliding layers right after the prompt (see `KVCache.snapshot`).
             stats: the `Stats` to keep the row's statistics in (a new one by default).
+            context: the tokens `cache` holds, for drafters that look text up (n-gram).
 
         Raises:
             ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
@@ -181,6 +184,8 @@ class BatchGenerator:
         row = _Row(uid, ids, int(max_tokens), sampling, _seed(seed), seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, keep_cache, snapshot, cache, start)
         row.stats = stats if stats is not None else row.stats
+        if context is not None and len(context) == start:
+            row.context = list(context)
         self.pending.append(row)
         return uid
 
@@ -259,8 +264,12 @@ class BatchGenerator:
         rows = self.rows
         k = self.policy.choose(len(rows)) if any(r.draft == "auto" for r in rows) else 0
         plan = Plan(tuple(r.params for r in rows), tuple(self._row_k(r, k) for r in rows))
+        if self.state.history is not None:  # room for this round's tokens
+            needed = int(self.cache.bound.max()) + plan.k + 2
+            if needed > self.state.history.shape[1]:
+                self.state.history = _widen(self.state.history, needed + 256)
         self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan)
-        mx.async_eval(out.tokens, out.accepted, self.state.tokens, self.state.hidden, self.cache.offset)
+        mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset)
         return _Inflight(out, list(rows), plan, after_prefill)
 
     def _row_k(self, row: _Row, k: int) -> int:
@@ -275,17 +284,18 @@ class BatchGenerator:
     def _read(self, inflight: Optional[_Inflight], launched: Optional[_Inflight]) -> list[RowEvent]:
         if inflight is None or all(r.finish_reason for r in inflight.rows):
             return []  # nobody waits for it: don't wait for the device either
-        tokens, accepted = inflight.out.tokens.tolist(), inflight.out.accepted.tolist()
+        out = inflight.out
+        tokens, accepted, drafted = out.tokens.tolist(), out.accepted.tolist(), out.drafted.tolist()
         now = time.perf_counter()
         seconds = None if self._last_read is None or inflight.after_prefill else now - self._last_read
         if self._last_read is not None:
             self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
         self._last_read = now
         plan = inflight.plan
-        full = [n for n, lim in zip(accepted, plan.limits) if lim == plan.k]
+        full = [n for n, d in zip(accepted, drafted) if d == plan.k]
         self.policy.observe(len(inflight.rows), plan.k, full, seconds)
         events = []
-        for row, toks, n, k in zip(inflight.rows, tokens, accepted, plan.limits):
+        for row, toks, n, k in zip(inflight.rows, tokens, accepted, drafted):
             if row.finish_reason is None:
                 events.append(self._deliver(row, toks[: n + 1], n, k))
         self._settle(inflight, launched)
@@ -350,7 +360,11 @@ class BatchGenerator:
             first = sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE))
         if row.want_snapshot:
             row.snapshot = row.cache.snapshot()
-        self._join(row, BatchState(first, out.hidden[:, -1], seeds))
+        history = None
+        if self.proposer is not None and self.proposer.needs_history:
+            known = (row.context or [-1] * row.start) + row.prompt
+            history = mx.concatenate([mx.array([known], dtype=mx.int32), first[:, None]], axis=1)
+        self._join(row, BatchState(first, out.hidden[:, -1], seeds, history))
         mx.async_eval(first)
         row.first = first
         self._joined.append(row)
@@ -363,9 +377,13 @@ class BatchGenerator:
             self.cache.extend(row.cache)
             self.rows.append(row)
             s = self.state
+            history = None
+            if s.history is not None:
+                width = max(s.history.shape[1], state.history.shape[1])
+                history = mx.concatenate([_widen(s.history, width), _widen(state.history, width)])
             self.state = BatchState(mx.concatenate([s.tokens, state.tokens]),
                                     mx.concatenate([s.hidden, state.hidden.astype(s.hidden.dtype)]),
-                                    mx.concatenate([s.seeds, state.seeds]))
+                                    mx.concatenate([s.seeds, state.seeds]), history)
         row.cache = None
 
     def _read_first(self) -> list[RowEvent]:
@@ -408,13 +426,22 @@ class BatchGenerator:
         self.cache.select(keep)
         index = mx.array(keep, dtype=mx.int32)
         s = self.state
-        self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index])
+        self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index],
+                                None if s.history is None else s.history[index])
 
     def _leave(self, row: _Row, cache: Optional[KVCache]) -> None:
         if row.keep_cache and cache is not None:
             cache.truncate([row.length])  # undo what was queued past the tokens handed out
             row.cache = cache
             self._gone[row.uid] = row
+
+
+def _widen(history: mx.array, width: int) -> mx.array:
+    """Token history padded with -1 (unknown) to `width` positions."""
+    extra = width - history.shape[1]
+    if extra <= 0:
+        return history
+    return mx.concatenate([history, mx.full((history.shape[0], extra), -1, dtype=mx.int32)], axis=1)
 
 
 def _seed(seed: Optional[int]) -> int:

@@ -140,7 +140,8 @@ class Conversation:
     def insert(self, gen: BatchGenerator, turn: Turn, **kwargs) -> int:
         """Insert the turn's row into `gen` (the cache goes with it); returns its uid."""
         return gen.insert(turn.prompt[turn.keep :], max_tokens=turn.max_tokens, stop_ids=self.loaded.eos_ids,
-                          cache=turn.cache, keep_cache=True, snapshot=True, **kwargs)
+                          cache=turn.cache, keep_cache=True, snapshot=True, context=turn.prompt[: turn.keep],
+                          **kwargs)
 
     def end(self, turn: Turn, reply: list[int], left: Optional[Left]) -> None:
         """Finish a turn: keep the reply as streamed and the cache its row left (None: rebuild)."""

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
 
@@ -177,21 +178,33 @@ class Loaded(NamedTuple):
 
 
 def load(
-    model: Union[str, Path], drafter: Union[str, Path, None] = None, dtype: Optional[mx.Dtype] = None
+    model: Union[str, Path], drafter: Union[str, Path, None] = None, dtype: Optional[mx.Dtype] = None,
+    ngram: bool = False,
 ) -> Loaded:
-    """Load a Gemma 4 target (and optionally its MTP drafter) for generation.
+    """Load a Gemma 4 target and what drafts for it.
+
+    Args:
+        model: the target's directory or hub id.
+        drafter: its MTP drafter (directory or hub id), "ngram" for prompt lookup (no model
+            needed), or None for plain decoding.
+        dtype: compute dtype of floating-point weights (default: the checkpoint's).
+        ngram: with an MTP drafter, use the n-gram proposal where it is long (hybrid).
 
     Raises:
         ValueError: the drafter cannot read this target's K/V (wrong pair).
     """
     target, config, path = load_model(model, dtype=dtype)
     draft = None
-    if drafter is not None:
+    if str(drafter) == "ngram":
+        draft = NgramDrafter()
+    elif drafter is not None:
         draft, draft_config, _ = load_model(drafter, dtype=dtype)
         if draft_config.get("model_type") != "gemma4_assistant":
             raise ValueError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP drafter "
                              "(gemma4_assistant)")
         draft.check_target(target)
+        if ngram:
+            draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())
     return Loaded(target, load_tokenizer(path), draft, eos_ids(path, config))
 
 

@@ -22,6 +22,8 @@ _RIGHT, _WRONG = 5, 6  # random streams of their own
 
 
 class OracleDrafter:
+    needs_history = False
+
     def __init__(self, truth: Sequence[int], prompt_len: int, vocab_size: int, p_right: float,
                  inner: Optional[MTPProposer] = None, seed: int = 0):
         # Token at position prompt_len + i is truth[i]; positions past the end get token 0.
@@ -39,7 +41,4 @@ class OracleDrafter:
         tokens = mx.where(lucky, right, (right + offset) % self.vocab)
         if self.inner is not None:  # pay for the real drafter; its tokens are not used
             tokens = tokens + 0 * self.inner.propose(state, cache, k, plan).tokens
-        q = None
-        if not plan.greedy:  # a deterministic proposal: q is one-hot on it
-            q = (mx.arange(self.vocab)[None, None] == tokens[..., None]).astype(mx.float32)
-        return Drafts(tokens, q)
+        return Drafts(tokens)  # a deterministic proposal: q is one-hot on it

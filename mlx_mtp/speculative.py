@@ -33,6 +33,7 @@ class BatchState:
     tokens: mx.array  # (B,) last emitted token, not yet in the cache (it sits at cache.offset)
     hidden: mx.array  # (B, H) target hidden state that predicted `tokens`
     seeds: mx.array  # (B,) uint32 random seed of each row
+    history: Optional[mx.array] = None  # (B, T) the token at each position, -1 unknown (n-gram lookup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Plan:
 @dataclasses.dataclass
 class Drafts:
     tokens: mx.array  # (B, K) int32
-    q: Optional[mx.array] = None  # (B, K, V) drafter distributions (None when every row is greedy)
+    q: Optional[mx.array] = None  # (B, K, V) drafter distributions; None: greedy, or deterministic drafts
     limit: Optional[mx.array] = None  # (B,) drafts the proposer really made (None: all K)
 
 
@@ -64,11 +65,14 @@ class RoundOutput:
 
     tokens: mx.array  # (B, K+1) accepted drafts, then the target's token, then -1
     accepted: mx.array  # (B,) drafts accepted
+    drafted: mx.array  # (B,) drafts that counted
 
 
 @runtime_checkable
 class Proposer(Protocol):
     """Something that drafts: an MTP drafter, an n-gram lookup, an oracle for tests."""
+
+    needs_history: bool  # reads `BatchState.history`
 
     def propose(self, state: BatchState, cache: KVCache, k: int, plan: Plan) -> Drafts: ...
 
@@ -85,33 +89,41 @@ def verify(target: TargetModel, cache: KVCache, state: BatchState, drafts: Draft
     return target(inputs, cache)
 
 
-def accept(drafts: Drafts, out: TargetOutput, plan: Plan, seeds: mx.array, base: mx.array):
+def counted(drafts: Drafts, plan: Plan) -> mx.array:
+    """(B,) drafts that count per row: the row's limit, or fewer if the proposer made fewer."""
+    limit = mx.array(plan.limits, dtype=mx.int32)
+    return limit if drafts.limit is None else mx.minimum(limit, drafts.limit)
+
+
+def accept(drafts: Drafts, out: TargetOutput, plan: Plan, limit: mx.array, seeds: mx.array, base: mx.array):
     """(accepted drafts, next token) per row: greedy prefix match, or exact rejection sampling
     against the drafter's q. `base` (B,) is the position of each row's last token."""
-    limit = mx.array(plan.limits, dtype=mx.int32)
-    if drafts.limit is not None:
-        limit = mx.minimum(limit, drafts.limit)
     k = drafts.tokens.shape[1]
     if plan.greedy:
         return greedy_accept(drafts.tokens, mx.argmax(out.logits, axis=-1), limit if k else None)
     p = batch_probs(out.logits, plan.params)
-    q = drafts.q if drafts.q is not None else mx.zeros((*drafts.tokens.shape, p.shape[-1]))
+    q = drafts.q  # None: a deterministic proposal, q one-hot on it
+    if q is None:
+        q = (mx.arange(p.shape[-1])[None, None] == drafts.tokens[..., None]).astype(mx.float32)
     positions = base[:, None] + 1 + mx.arange(k + 1, dtype=mx.int32)[None]  # of d_1 .. d_K, bonus
     return rejection_accept(drafts.tokens, q, p, uniform(seeds, positions[:, :k], ACCEPT),
                             uniform(seeds, positions, RESAMPLE), limit)
 
 
-def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt: mx.array,
-            base: mx.array, seeds: mx.array) -> tuple[BatchState, RoundOutput]:
+def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt: mx.array, limit: mx.array,
+            base: mx.array, state: BatchState) -> tuple[BatchState, RoundOutput]:
     """Roll every row back to its accepted prefix and carry the next token on."""
     B, k = drafts.tokens.shape
     if k:
         cache.rollback_to(base + n + 1)  # keeps the row's last token and its n accepted drafts
-    j = mx.arange(k + 1)[None]
+    j = mx.arange(k + 1, dtype=mx.int32)[None]
     padded = mx.concatenate([drafts.tokens, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
     emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
     hidden = mx.take_along_axis(out.hidden, n[:, None, None], axis=1)[:, 0]
-    return BatchState(nxt, hidden, seeds), RoundOutput(emitted, n)
+    history = state.history
+    if history is not None:  # positions past the new token get -1 (or are rewritten later)
+        history = mx.put_along_axis(history, base[:, None] + 1 + j, emitted, axis=1)
+    return BatchState(nxt, hidden, state.seeds, history), RoundOutput(emitted, n, limit)
 
 
 def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache, state: BatchState,
@@ -120,8 +132,9 @@ def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache,
     base = cache.offset
     drafts = draft(proposer, state, cache, plan)
     out = verify(target, cache, state, drafts)
-    n, nxt = accept(drafts, out, plan, state.seeds, base)
-    return advance(cache, out, drafts, n, nxt, base, state.seeds)
+    limit = counted(drafts, plan)
+    n, nxt = accept(drafts, out, plan, limit, state.seeds, base)
+    return advance(cache, out, drafts, n, nxt, limit, base, state)
 
 
 class DraftPolicy:
