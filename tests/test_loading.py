@@ -86,7 +86,7 @@ def test_unknown_config_keys_are_logged_not_fatal(caplog):
 
 def test_a_drafter_passed_as_the_target_is_named():
     drafter = TINY / "dense" / "drafter"
-    with pytest.raises(ModelKindError, match=r"is an MTP drafter \(gemma4_assistant\), not a target model; pass"):
+    with pytest.raises(ModelKindError, match=r"MTP drafter \(gemma4_assistant\), not a target model; pass it"):
         mlx_mtp.load(drafter)
     with pytest.raises(ModelKindError, match="not an MTP drafter"):
         mlx_mtp.load(TINY / "dense" / "target", drafter=TINY / "dense" / "target")
