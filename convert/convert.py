@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import save_config
 
 from mlx_mtp import quantize as q
+from mlx_mtp.cli import prog_name
 from mlx_mtp.loading import (
     DRAFTER_TYPE, WeightsError, build_model, cast_floats, load_model, read_config, resolve,
 )
@@ -318,7 +319,7 @@ def _say(msg: str, enabled: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mlx-mtp-convert",
+        prog=prog_name("convert"),
         description="Convert a Gemma 4 target (gemma4, gemma4_text) or drafter (gemma4_assistant) to MLX.",
     )
     p.add_argument("source", help="local Hugging Face directory or hub id")
@@ -353,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.source, args.output, max_shard_gb=args.max_shard_size, force=args.force, **options
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"mlx-mtp-convert: error: {e}", file=sys.stderr)
+        print(f"{prog_name('convert')}: error: {e}", file=sys.stderr)
         return 1
     _say(f"wrote {out}", not args.quiet)
     return 0

@@ -313,6 +313,16 @@ def test_cli(tmp_path):
     assert main([str(SOURCES["dense"]), str(tmp_path / "o2"), "--bits", "8", "--quiet"]) == 1  # needs -q
 
 
+def test_usage_names_how_the_converter_was_run(monkeypatch):
+    from convert.convert import build_parser
+
+    usage = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True,
+                           cwd=REPO, check=True).stdout
+    assert usage.startswith("usage: python -m convert ")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mlx-mtp-convert"])
+    assert build_parser().format_usage().startswith("usage: mlx-mtp-convert ")
+
+
 # ---- bounded memory ------------------------------------------------------------------------
 
 MEASURE = (
