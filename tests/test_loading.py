@@ -86,7 +86,7 @@ def test_unknown_config_keys_are_logged_not_fatal(caplog):
 
 def test_a_drafter_passed_as_the_target_is_named():
     drafter = TINY / "dense" / "drafter"
-    with pytest.raises(ModelKindError, match=r"MTP drafter \(gemma4_assistant\), not a target model; pass it"):
+    with pytest.raises(ModelKindError, match=r"drafter \(gemma4_assistant\), not a target model; pass it"):
         mlx_mtp.load(drafter)
     with pytest.raises(ModelKindError, match="not an MTP drafter"):
         mlx_mtp.load(TINY / "dense" / "target", drafter=TINY / "dense" / "target")
@@ -108,7 +108,7 @@ def test_low_precision_moe_generates_on_this_backend(dtype):
     logits = model(mx.array([ids])).logits[0]
     assert logits.dtype == dtype
     ours, theirs = np.array(logits.astype(mx.float32)), np.array(ref(mx.array([ids])).logits[0])
-    # The tiny fixture is chaotic (dense bf16 differs by 0.16 on average); a broken expert path is far off.
+    # The tiny fixture is chaotic (dense bf16 logits differ by 0.16 on average from float32 compute).
     assert np.abs(ours - theirs).mean() < 0.3 and (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
 
 
