@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,7 @@ def test_undecodable_prompt_argument_is_replaced(models, loaded):
     rc, out, err = run_chat(*args, "--prompt", b"a\xff")
     assert rc == 0 and "Traceback" not in err, err
     assert out == replies(loaded, ["a\ufffd"], 12)[0] + "\n"
+    assert "reply cut" not in err  # ended by --max-tokens, not the context
     total, from_rounds, from_plain = stat_counts(err.splitlines()[-1])
     assert total == 1 + from_rounds + from_plain  # the first token comes from the prefill
 
@@ -106,8 +108,6 @@ def test_a_reply_cut_by_the_context_limit_says_so(models):
     rc, out, err = run_chat("--model", models[2], "--max-tokens", 200, "--prompt", "hello")
     assert rc == 0, err
     assert "[reply cut at the model's context of 48 tokens; /reset to start over]" in err
-    rc, out, err = run_chat("--model", models[0], "--max-tokens", 5, "--prompt", "hello")
-    assert "reply cut" not in err  # stopped by --max-tokens: no note
 
 
 BAD_NUMBERS = [("--max-tokens", "0"), ("--max-tokens", "-5"),
@@ -174,11 +174,12 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(models):
     try:
         read_until(fd, b"> ")
         os.write(fd, b"half a line")
-        read_until(fd, b"half a line")  # echoed: readline is reading
-        for attempt in range(5):  # a SIGINT just before readline waits again is seen late: repeat
+        read_until(fd, b"half a line")  # echoed by readline
+        time.sleep(0.3)  # a SIGINT landing before readline waits for input again is only seen at the next key
+        for attempt in range(5):  # so, on a loaded machine, press Ctrl-C again
             os.write(fd, b"\x03")
             try:
-                read_until(fd, b"> ", timeout=5)  # still running, a fresh prompt
+                read_until(fd, b"> ", timeout=3)  # still running, a fresh prompt
                 break
             except TimeoutError:
                 assert attempt < 4, "no prompt after Ctrl-C"
