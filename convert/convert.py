@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import glob
 import json
 import os
 import shutil
@@ -22,12 +23,14 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import save_config
 
 from mlx_mtp import quantize as q
-from mlx_mtp.loading import WeightsError, build_model, cast_floats, load_model, read_config, resolve
+from mlx_mtp.cli import prog_name
+from mlx_mtp.loading import (
+    DRAFTER_TYPE, WeightsError, build_model, cast_floats, load_model, read_config, resolve,
+)
 from mlx_mtp.models import model_module
 from mlx_mtp.models.gemma4 import Config as TextConfig
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-DRAFTER_TYPE = "gemma4_assistant"
 EXTRA_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "chat_template.jinja", "chat_template.json", "generation_config.json",
@@ -114,14 +117,17 @@ def convert(
         The output path.
     """
     output = Path(output).expanduser().absolute()
+    src = resolve(source)
+    check_apart(src, output)
     if output.exists() and not force:
         raise FileExistsError(f"{output} exists; pass --force to replace it")
     if max_shard_gb <= 0:
         raise ValueError("max_shard_gb must be positive")
-    src, config, weights = plan(source, progress=progress, **options)
+    src, config, weights = plan(src, progress=progress, **options)
 
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
     output.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(output)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -137,6 +143,40 @@ def convert(
             raise WeightsError(f"cannot read {src}: {e}") from e
         raise
     return output
+
+
+def check_apart(src: Path, output: Path) -> None:
+    """Refuse an output that is, contains, or is inside the source (symlinks resolved):
+    replacing it would destroy the input."""
+    src, out = src.resolve(), output.resolve()
+    if out == src:
+        raise ValueError(f"output {output} is the source directory; choose another output")
+    if out in src.parents:
+        raise ValueError(f"output {output} contains the source {src}; replacing it would delete the source")
+    if src in out.parents:
+        raise ValueError(f"output {output} is inside the source {src}; choose a directory outside it")
+
+
+def remove_stale_partials(output: Path) -> None:
+    """Delete the temporary dirs of conversions into `output` whose process is gone (interrupted
+    runs); a live process's dir is left alone."""
+    prefix = f".{output.name}.partial-"
+    for tmp in output.parent.glob(glob.escape(prefix) + "*"):
+        pid = tmp.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"[convert] removed {tmp}, left by an interrupted conversion (process {pid} is gone)",
+                  file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    return True
 
 
 def summary(config: dict[str, Any], weights: dict[str, mx.array]) -> str:
@@ -279,7 +319,7 @@ def _say(msg: str, enabled: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mlx-mtp-convert",
+        prog=prog_name("convert"),
         description="Convert a Gemma 4 target (gemma4, gemma4_text) or drafter (gemma4_assistant) to MLX.",
     )
     p.add_argument("source", help="local Hugging Face directory or hub id")
@@ -314,7 +354,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.source, args.output, max_shard_gb=args.max_shard_size, force=args.force, **options
         )
     except (FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"mlx-mtp-convert: error: {e}", file=sys.stderr)
+        print(f"{prog_name('convert')}: error: {e}", file=sys.stderr)
         return 1
     _say(f"wrote {out}", not args.quiet)
     return 0

@@ -2,59 +2,92 @@
 
 Every turn reuses the KV cache of the conversation so far. Without --model it runs the small demo
 pair bundled in `mlx_mtp.demo`. With --prompt it answers once and exits (for scripts); without a
-terminal it reads one message per line from stdin.
+terminal it reads one message per line from stdin. With --raw each message is completed as plain
+text (no chat template, no history), which suits code models.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
+from .cli import prog_name
 from .conversation import Conversation
-from .generate import ContextLengthError
+from .generate import ContextLengthError, Event, stream_generate
 from .loading import load
 from .sample import SamplingParams
+from .speculative import K_MAX
 from .stats import Stats
+
 
 HELP = """commands:
   /reset   start over (the system message stays)
   /stats   details of the last reply and the KV cache
   /help    this help
-  /quit    leave (so does end of input, Ctrl-D)
-Ctrl-C stops a reply; what was written stays in the conversation."""
+  /quit    leave (so do quit, exit, end of input, Ctrl-D)
+Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m mlx_mtp.chat", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.chat"), description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
-    ap.add_argument("--drafter", help="MTP drafter dir or hub id (default: none, plain decoding)")
+    ap.add_argument("--drafter", help="MTP drafter dir or hub id, or 'ngram' for prompt lookup (no model "
+                                      "needed); default: none, plain decoding")
+    ap.add_argument("--ngram", action="store_true",
+                    help="with an MTP drafter: use a prompt-lookup proposal instead where it is long")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto")
     ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter")
     ap.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=512, help="per reply")
+    ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--system", help="system message")
     ap.add_argument("--prompt", help="answer this one message and exit")
+    ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.raw and args.system is not None:
+        ap.error("--system needs the chat template, which --raw does not use")
+    args.prompt, args.system = readable(args.prompt), readable(args.system)
+    return args
 
 
 def draft_tokens(text: str):
     if text == "auto":
         return text
-    if text.isdigit():
+    if _integer(text) in range(K_MAX + 1):
         return int(text)
-    raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be 0-{K_MAX} (the longest draft) or auto, not {text!r}")
+
+
+def positive_int(text: str) -> int:
+    if (_integer(text) or 0) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {text!r}")
+
+
+def _integer(text: str) -> Optional[int]:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def readable(text: Optional[str]) -> Optional[str]:
+    """Command-line text with undecodable bytes (which Python keeps as surrogate escapes, and
+    tokenizers reject) replaced by U+FFFD."""
+    return None if text is None else os.fsencode(text).decode(sys.getfilesystemencoding(), "replace")
 
 
 def demo_pair() -> tuple[Path, Optional[Path]]:
@@ -70,8 +103,8 @@ def demo_pair() -> tuple[Path, Optional[Path]]:
     return root / "target", (root / "drafter") if (root / "drafter").is_dir() else None
 
 
-def open_conversation(args) -> tuple[Conversation, str]:
-    """Load the model; returns the conversation and a banner line."""
+def open_session(args) -> tuple[Union[Conversation, "Completion"], str]:
+    """Load the model; returns the conversation (a `Completion` with --raw) and a banner line."""
     model, drafter, dtype = args.model, args.drafter, args.dtype
     what = f"model {model}"
     if model is None:
@@ -81,21 +114,71 @@ def open_conversation(args) -> tuple[Conversation, str]:
         what = f"no --model: running the bundled demo pair in {model.parent}, a small model to try things out"
     if args.no_mtp:
         drafter = None
-    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
+    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None, ngram=args.ngram)
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: chat needs one")
+    banner = f"{what}; {decoding(args, drafter)}"
+    if args.raw:
+        return Completion(loaded), f"{banner}; raw completion, no chat template"
     if not getattr(loaded.tokenizer, "has_chat_template", True):
-        raise ValueError(f"{model}'s tokenizer has no chat template")
-    k = args.draft_tokens
-    mode = f"MTP, draft tokens {k}" if drafter is not None else "plain decoding"
-    return Conversation(loaded, system=args.system), f"{what}; {mode}"
+        raise ValueError(f"{model}'s tokenizer has no chat template; --raw completes plain text")
+    return Conversation(loaded, system=args.system), banner
+
+
+def decoding(args, drafter) -> str:
+    if drafter is None:
+        return "plain decoding"
+    if args.draft_tokens == 0:
+        return "MTP off (--draft-tokens 0), plain decoding"
+    if str(drafter) == "ngram":
+        return f"prompt-lookup (n-gram) drafting, draft tokens {args.draft_tokens}"
+    return f"MTP{' + prompt lookup' if args.ngram else ''}, draft tokens {args.draft_tokens}"
+
+
+class Completion:
+    """--raw: each message is completed as plain text, with no chat template and no history.
+    It offers what the REPL uses of a `Conversation`."""
+
+    cache = None  # each completion starts from an empty cache
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.tokens: list[int] = []  # the last completion's prompt and output
+        self.last_stats: Optional[Stats] = None
+
+    def reset(self) -> None:
+        self.tokens, self.last_stats = [], None
+
+    def reply(self, text: str, max_tokens: int, **options) -> Iterator[Event]:
+        prompt = self.loaded.tokenizer.encode(text)
+        room = self.loaded.target.config.max_position_embeddings - len(prompt)
+        self.tokens = list(prompt)
+        events = stream_generate(self.loaded, prompt, max_tokens=max(1, min(max_tokens, room)), **options)
+        try:
+            for event in events:
+                self.tokens.append(event.token)
+                self.last_stats = event.stats
+                yield event
+        finally:
+            events.close()
 
 
 def stat_line(s: Stats) -> str:
     line = f"[{s.emitted} tokens, {s.decode_tps:.1f} tok/s, first token {s.first_token_seconds * 1000:.0f} ms"
-    if s.rounds:
-        line += f", acceptance length {s.acceptance_length:.2f}, {100 * s.draft_share:.0f}% from drafts"
+    if s.rounds:  # "auto" may also have decoded stretches plainly: say how much
+        from_rounds = s.emitted - 1 - s.plain_steps  # the first token comes from the prefill
+        line += f", {from_rounds} from {s.rounds} MTP rounds (acceptance length {s.acceptance_length:.2f})"
+        if s.plain_steps:
+            line += f", {s.plain_steps} from plain steps"
     return line + "]"
+
+
+def say_if_cut(session) -> None:
+    """Say so when the last reply stopped because the conversation filled the model's context."""
+    limit = session.loaded.target.config.max_position_embeddings
+    if len(session.tokens) >= limit:
+        hint = "" if isinstance(session, Completion) else "; /reset to start over"
+        print(f"[reply cut at the model's context of {limit} tokens{hint}]", file=sys.stderr, flush=True)
 
 
 def details(conv: Conversation) -> str:
@@ -153,12 +236,16 @@ def lines(interactive: bool) -> Iterator[str]:
             if interactive:
                 print()
             return
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print()  # Ctrl-C at the prompt clears the line; Ctrl-D leaves
 
 
 def repl(conv: Conversation, options: dict, interactive: bool) -> None:
     for line in lines(interactive):
         command = line.strip()
-        if command in ("/quit", "/exit"):
+        if command in ("/quit", "/exit", "quit", "exit"):
             return
         if command == "/help":
             print(HELP)
@@ -172,6 +259,7 @@ def repl(conv: Conversation, options: dict, interactive: bool) -> None:
         elif command:
             try:
                 answer(conv, line, options)
+                say_if_cut(conv)
             except ContextLengthError as e:
                 print(f"error: {e}; /reset to start over", file=sys.stderr)
 
@@ -180,7 +268,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
-        conv, banner = open_conversation(args)
+        conv, banner = open_session(args)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
@@ -192,10 +280,13 @@ def main(argv=None) -> int:
     if args.prompt is not None:
         try:
             answer(conv, args.prompt, options)
+            say_if_cut(conv)
         except ContextLengthError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
+    if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable bytes become U+FFFD, not a crash
+        sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
     if interactive:
         print("type /help for commands", file=sys.stderr)

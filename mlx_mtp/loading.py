@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
 
+DRAFTER_TYPE = "gemma4_assistant"
+
 
 class WeightsError(ValueError):
     """Checkpoint files that are missing, corrupt, or do not fit the model."""
+
+
+class ModelKindError(ValueError):
+    """A drafter given where a target is expected, or the other way round."""
 
 
 def resolve(path_or_repo: Union[str, Path]) -> Path:
@@ -126,7 +134,8 @@ def load_model(
     """Load a model from a directory or hub id.
 
     Returns:
-        (model, config dict, resolved path).
+        (model, config dict, resolved path). Unless `lazy` (the converter's mode, which keeps
+        weights as stored), expert weights may be widened to float32: see `widen_experts`.
     """
     path = resolve(path_or_repo)
     config = read_config(path)
@@ -146,6 +155,7 @@ def load_model(
     if dtype is not None:
         cast_floats(model, dtype)
     if not lazy:
+        widen_experts(model)
         mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
     return model, config, path
@@ -165,6 +175,30 @@ def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
     model.update(
         tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters())
     )
+
+
+def gather_mm_supports(dtype: mx.Dtype) -> bool:
+    """Whether `mx.gather_mm` runs in `dtype` on the default device (MLX's CPU backend
+    supports only float32). Probed once per dtype and device with tiny arrays."""
+    return _gather_mm_works(dtype, mx.default_device())
+
+
+@lru_cache(maxsize=None)
+def _gather_mm_works(dtype: mx.Dtype, device: mx.Device) -> bool:
+    try:
+        a, b = mx.zeros((1, 1, 2), dtype), mx.zeros((2, 2, 2), dtype)
+        mx.eval(mx.gather_mm(a, b, rhs_indices=mx.array([1])))
+        return True
+    except RuntimeError:
+        return False
+
+
+def widen_experts(model: nn.Module) -> None:
+    """Keep unquantized MoE expert weights in float32 when the backend cannot gather-matmul
+    their dtype; `Experts` then computes in float32 and returns its input's dtype."""
+    for _, module in model.named_modules():
+        if isinstance(module, SwitchLinear) and not gather_mm_supports(module.weight.dtype):
+            module.update({k: v.astype(mx.float32) for k, v in module.parameters().items()})
 
 
 class Loaded(NamedTuple):
@@ -191,17 +225,21 @@ def load(
         ngram: with an MTP drafter, use the n-gram proposal where it is long (hybrid).
 
     Raises:
+        ModelKindError: `model` is a drafter, or `drafter` is not one.
         ValueError: the drafter cannot read this target's K/V (wrong pair).
     """
     target, config, path = load_model(model, dtype=dtype)
+    if config.get("model_type") == DRAFTER_TYPE:
+        raise ModelKindError(f"{model} is an MTP drafter ({DRAFTER_TYPE}), not a target model; "
+                             "pass it as the drafter")
     draft = None
     if str(drafter) == "ngram":
         draft = NgramDrafter()
     elif drafter is not None:
         draft, draft_config, _ = load_model(drafter, dtype=dtype)
-        if draft_config.get("model_type") != "gemma4_assistant":
-            raise ValueError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP drafter "
-                             "(gemma4_assistant)")
+        if draft_config.get("model_type") != DRAFTER_TYPE:
+            raise ModelKindError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP "
+                                 f"drafter ({DRAFTER_TYPE})")
         draft.check_target(target)
         if ngram:
             draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())

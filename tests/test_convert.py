@@ -86,8 +86,7 @@ def test_bfloat16_conversion_equals_bfloat16_load(tmp_path, name):
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
     ours, theirs = dict(tree_flatten(model.parameters())), dict(tree_flatten(ref.parameters()))
     assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
-    if name == "dense":  # CPU gather_mm (MoE) is float32-only
-        assert np.array_equal(logits(model, name), logits(ref, name))
+    assert np.array_equal(logits(model, name), logits(ref, name))  # MoE too, on any backend
 
 
 def test_wrapper_uses_mlx_lm_names(tmp_path):
@@ -263,6 +262,38 @@ def test_existing_output_needs_force(tmp_path):
     assert not (out / "keep").exists() and (out / "config.json").exists() and no_leftovers(tmp_path)
 
 
+def snapshot(path: Path) -> dict:
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_output_overlapping_the_source_is_refused(tmp_path, capsys):
+    src = tmp_path / "p" / "src"
+    shutil.copytree(SOURCES["dense"], src)
+    (tmp_path / "link").symlink_to(src)
+    before = snapshot(tmp_path / "p")
+    for out, why in [(src, "is the source"), (tmp_path / "p", "contains the source"),
+                     (src / "out", "is inside the source"), (tmp_path / "link", "is the source")]:
+        with pytest.raises(ValueError, match=why):
+            convert(src, out, force=True, quantize=True, progress=False)
+        assert main([str(src), str(out), "-q", "--force", "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err
+        assert snapshot(tmp_path / "p") == before
+
+
+def test_stale_partial_dirs_are_removed(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale, live = tmp_path / f".out.partial-{dead.pid}", tmp_path / f".out.partial-{os.getppid()}"
+    other = tmp_path / f".other.partial-{dead.pid}"  # another output's: not ours to judge
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    convert(SOURCES["dense"], tmp_path / "out", progress=False)
+    assert not stale.exists() and live.exists() and other.exists()
+    assert f"removed {stale}" in capsys.readouterr().err
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     cc = importlib.import_module("convert.convert")  # the package's `convert` is the function
 
@@ -280,6 +311,16 @@ def test_cli(tmp_path):
     assert main([str(SOURCES["e2b"]), str(out), "-q", "--bits", "8", "--group-size", "32", "--quiet"]) == 0
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
     assert main([str(SOURCES["dense"]), str(tmp_path / "o2"), "--bits", "8", "--quiet"]) == 1  # needs -q
+
+
+def test_usage_names_how_the_converter_was_run(monkeypatch):
+    from convert.convert import build_parser
+
+    usage = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True,
+                           cwd=REPO, check=True).stdout
+    assert usage.startswith("usage: python -m convert ")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mlx-mtp-convert"])
+    assert build_parser().format_usage().startswith("usage: mlx-mtp-convert ")
 
 
 # ---- bounded memory ------------------------------------------------------------------------

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 from conftest import TINY, reference
 
-from mlx_mtp.loading import WeightsError, load_model
+import mlx_mtp
+from mlx_mtp import loading
+from mlx_mtp.generate import generate_tokens
+from mlx_mtp.loading import ModelKindError, WeightsError, cast_floats, load_model
 from mlx_mtp.models.base import ConfigError
 from mlx_mtp.models.gemma4 import Config
 
@@ -79,3 +82,42 @@ def test_unknown_config_keys_are_logged_not_fatal(caplog):
     with caplog.at_level(logging.INFO, logger="mlx_mtp"):
         Config.from_dict(config)
     assert "brand_new_field" in caplog.text
+
+
+def test_a_drafter_passed_as_the_target_is_named():
+    drafter = TINY / "dense" / "drafter"
+    with pytest.raises(ModelKindError, match=r"drafter \(gemma4_assistant\), not a target model; pass it"):
+        mlx_mtp.load(drafter)
+    with pytest.raises(ModelKindError, match="not an MTP drafter"):
+        mlx_mtp.load(TINY / "dense" / "target", drafter=TINY / "dense" / "target")
+
+
+def low_precision_moe(dtype):
+    """The tiny MoE in `dtype`, and the same (rounded) weights computing in float32."""
+    model = load_model(TINY / "moe" / "target", dtype=dtype)[0]
+    ref = load_model(TINY / "moe" / "target", dtype=dtype)[0]
+    cast_floats(ref, mx.float32)
+    return model, ref
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_low_precision_moe_generates_on_this_backend(dtype):
+    model, ref = low_precision_moe(dtype)
+    ids = reference("moe")["prompt"].tolist()
+    assert len([t for t, _ in generate_tokens(model, ids, max_tokens=8)]) == 8
+    logits = model(mx.array([ids])).logits[0]
+    assert logits.dtype == dtype
+    ours, theirs = np.array(logits.astype(mx.float32)), np.array(ref(mx.array([ids])).logits[0])
+    # The tiny fixture is chaotic (dense bf16 logits differ by 0.16 on average from float32 compute).
+    assert np.abs(ours - theirs).mean() < 0.3 and (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+
+
+def test_experts_compute_in_float32_where_gather_mm_cannot(monkeypatch):
+    monkeypatch.setattr(loading, "gather_mm_supports", lambda dtype: dtype == mx.float32)
+    model, ref = low_precision_moe(mx.bfloat16)
+    layer = model.model.layers[0]
+    assert layer.experts.switch_glu.down_proj.weight.dtype == mx.float32
+    assert layer.mlp.up_proj.weight.dtype == mx.bfloat16 and layer.router.proj.weight.dtype == mx.bfloat16
+    ids = mx.array(reference("moe")["prompt"][None])
+    ours, theirs = np.array(model(ids).logits[0].astype(mx.float32)), np.array(ref(ids).logits[0])
+    assert np.abs(ours - theirs).mean() < 0.3

@@ -267,7 +267,11 @@ class Experts(nn.Module):
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
-        y = self.switch_glu(x, idx)  # (B, L, k, H)
+        w = self.switch_glu.gate_proj.weight
+        if mx.issubdtype(w.dtype, mx.floating):  # float32 where loading widened it for the backend
+            y = self.switch_glu(x.astype(w.dtype), idx).astype(x.dtype)  # (B, L, k, H)
+        else:
+            y = self.switch_glu(x, idx)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 

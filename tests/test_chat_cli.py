@@ -1,0 +1,193 @@
+"""The chat's edges, driven as a user would: undecodable input, argument limits, --raw, quit and
+Ctrl-C at the prompt, replies cut by the context limit, the stat line, usage names."""
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from chat_helpers import DRAFTER, make_chat_model
+
+import mlx_mtp
+from mlx_mtp import chat
+from mlx_mtp.conversation import Conversation
+from mlx_mtp.stats import Stats
+
+ROOT = Path(mlx_mtp.__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
+
+
+def run_chat(*args, stdin=b"", env=None):
+    """(rc, stdout, stderr) of `python -m mlx_mtp.chat ARGS`; args may be bytes (raw argv)."""
+    args = [a if isinstance(a, bytes) else str(a) for a in args]
+    out = subprocess.run([sys.executable, "-m", "mlx_mtp.chat", *args], input=stdin, capture_output=True,
+                         env={**ENV, **(env or {})}, timeout=120)
+    return out.returncode, out.stdout.decode("utf-8"), out.stderr.decode("utf-8")
+
+
+def edit_config(path: Path, **changes) -> None:
+    file = path / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A chat model, the same without a chat template, and one with a 48-token context."""
+    root = tmp_path_factory.mktemp("chat-cli")
+    chat_dir, plain, short = (make_chat_model(root / name) for name in ("chat", "plain", "short"))
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    edit_config(short, max_position_embeddings=48)
+    return chat_dir, plain, short
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    return mlx_mtp.load(models[0])
+
+
+def replies(loaded, messages, max_tokens):
+    conv = Conversation(loaded)
+    return ["".join(e.text for e in conv.reply(m, max_tokens=max_tokens)) for m in messages]
+
+
+def stat_counts(line: str) -> tuple[int, int, int]:
+    """(tokens, from MTP rounds, from plain steps) of a stat line."""
+    total = int(re.search(r"\[(\d+) tokens", line)[1])
+    rounds, plain = re.search(r"(\d+) from \d+ MTP rounds", line), re.search(r"(\d+) from plain steps", line)
+    return total, int(rounds[1]) if rounds else 0, int(plain[1]) if plain else 0
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_undecodable_stdin_is_replaced_and_the_session_goes_on(models, loaded, errors):
+    rc, out, err = run_chat("--model", models[0], "--max-tokens", 12, stdin=b"def f():\xff\xfe\nhello\n",
+                            env={"PYTHONIOENCODING": f"utf-8:{errors}"})
+    assert rc == 0 and "Traceback" not in err, err
+    first, second = replies(loaded, ["def f():\ufffd\ufffd", "hello"], 12)
+    assert out == f"{first}\n{second}\n"
+
+
+def test_undecodable_prompt_argument_is_replaced(models, loaded):
+    args = ["--model", models[0], "--drafter", DRAFTER, "--max-tokens", 12]
+    rc, out, err = run_chat(*args, "--prompt", b"a\xff")
+    assert rc == 0 and "Traceback" not in err, err
+    assert out == replies(loaded, ["a\ufffd"], 12)[0] + "\n"
+    assert "reply cut" not in err  # ended by --max-tokens, not the context
+    total, from_rounds, from_plain = stat_counts(err.splitlines()[-1])
+    assert total == 1 + from_rounds + from_plain  # the first token comes from the prefill
+
+
+def test_quit_alone_ends_and_draft_tokens_0_is_mtp_off(models, loaded):
+    args = ["--model", models[0], "--drafter", DRAFTER, "--draft-tokens", 0, "--max-tokens", 8]
+    rc, out, err = run_chat(*args, stdin=b"hello\n  quit \nhello\n")
+    assert rc == 0, err
+    assert "MTP off" in err.splitlines()[0]
+    assert out == replies(loaded, ["hello"], 8)[0] + "\n"  # nothing after quit
+    assert sum("tok/s" in line for line in err.splitlines()) == 1
+
+
+def test_raw_completes_plain_text_without_a_chat_template(models, capsys):
+    plain = models[1]
+    expected = "".join(e.text for e in mlx_mtp.stream_generate(mlx_mtp.load(plain), "def f(", max_tokens=12))
+    rc, out, err = run_chat("--model", plain, "--raw", "--max-tokens", 12, "--prompt", "def f(")
+    assert rc == 0 and out == expected + "\n", err
+    rc, out, err = run_chat("--model", plain, "--raw", "--max-tokens", 12, stdin=b"def f(\nexit\nx = 1\n")
+    assert rc == 0 and out == expected + "\n", err  # exit, too, ends the session
+    assert chat.main(["--model", str(plain), "--prompt", "x"]) == 2
+    assert "no chat template; --raw" in capsys.readouterr().err
+
+
+def test_a_reply_cut_by_the_context_limit_says_so(models):
+    rc, out, err = run_chat("--model", models[2], "--max-tokens", 200, "--prompt", "hello")
+    assert rc == 0, err
+    assert "[reply cut at the model's context of 48 tokens; /reset to start over]" in err
+
+
+BAD_NUMBERS = [("--max-tokens", "0"), ("--max-tokens", "-5"),
+               ("--draft-tokens", "100"), ("--draft-tokens", "7"), ("--draft-tokens", "-1")]
+
+
+@pytest.mark.parametrize("flag, value", BAD_NUMBERS)
+def test_bad_numbers_are_refused_at_parsing(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit:
+        chat.parse_args([flag, value])
+    assert exit.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+    assert chat.parse_args(["--draft-tokens", "6", "--max-tokens", "1"]).draft_tokens == 6
+
+
+def test_a_drafter_given_as_the_model_is_named(capsys):
+    assert chat.main(["--model", str(DRAFTER), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.endswith("is an MTP drafter (gemma4_assistant), not a target model; pass it as the drafter\n")
+
+
+def test_stat_line_counts_plain_steps_next_to_mtp_rounds():
+    mixed = Stats(emitted=120, rounds=20, plain_steps=31, drafted=60, accepted=68, from_draft=68)
+    line = chat.stat_line(mixed)
+    assert "88 from 20 MTP rounds (acceptance length 4.40), 31 from plain steps]" in line
+    assert "%" not in line
+    assert "MTP" not in chat.stat_line(Stats(emitted=10, plain_steps=9))
+
+
+@pytest.mark.parametrize("argv0, usage", [("/venv/bin/mlx-mtp-chat", "usage: mlx-mtp-chat "),
+                                          ("/src/mlx_mtp/chat.py", "usage: python -m mlx_mtp.chat ")])
+def test_usage_names_how_the_chat_was_run(argv0, usage, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        chat.parse_args(["--help"])
+    assert capsys.readouterr().out.startswith(usage)
+
+
+def read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
+    seen = b""
+    while marker not in seen:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise TimeoutError(f"waited for {marker!r}; got {seen!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # Linux: the child closed the terminal
+            chunk = b""
+        if not chunk:
+            raise EOFError(f"ended before {marker!r}; got {seen!r}")
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(models):
+    pty = pytest.importorskip("pty")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat on a terminal
+        try:
+            os.execve(sys.executable, [sys.executable, "-m", "mlx_mtp.chat", "--model", str(models[0])], ENV)
+        finally:
+            os._exit(127)
+    status = None
+    try:
+        read_until(fd, b"> ")
+        os.write(fd, b"half a line")
+        read_until(fd, b"half a line")  # echoed by readline
+        time.sleep(0.3)  # a SIGINT landing before readline waits for input again is only seen at the next key
+        for attempt in range(5):  # so, on a loaded machine, press Ctrl-C again
+            os.write(fd, b"\x03")
+            try:
+                read_until(fd, b"> ", timeout=3)  # still running, a fresh prompt
+                break
+            except TimeoutError:
+                assert attempt < 4, "no prompt after Ctrl-C"
+        os.write(fd, b"\x04")
+        status = os.waitpid(pid, 0)[1]
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
