@@ -48,6 +48,7 @@ class Step(NamedTuple):
     offset: Union[mx.array, int]  # RoPE offset of the first query, (B,) or one int for all rows
     masks: dict  # layer type -> (B, 1, L, T) bool, or None when every returned slot is visible
     writes: dict  # layer type -> _Write (cache internals)
+    scratch: dict  # what a model computes once per forward for all its layers (e.g. RoPE tables)
 
     def last(self, n: int) -> "Step":
         """The same forward restricted to its last `n` queries (layers whose other outputs
@@ -55,7 +56,7 @@ class Step(NamedTuple):
         L = self.positions.shape[1]
         offset = self.offset + (L - n)
         masks = {t: None if m is None else m[:, :, L - n :] for t, m in self.masks.items()}
-        return Step(self.positions[:, L - n :], offset, masks, self.writes)
+        return Step(self.positions[:, L - n :], offset, masks, self.writes, {})
 
 
 @dataclasses.dataclass
@@ -64,6 +65,14 @@ class _Write:
     count: int  # tokens written: all L, or the last C of a chunk longer than a ring of C slots
     concat: bool  # attend over the old slots plus the new K/V (a chunk longer than the ring allows)
     view: slice  # slots returned to attention
+    start: Optional[int] = None  # every row writes slots start .. start + count - 1: a plain slice
+
+    def store(self, buf: mx.array, values: mx.array, axis: int) -> mx.array:
+        """`buf` with `values` (this forward's last `count` entries along `axis`) in their slots."""
+        if self.start is not None:  # a new array: snapshots may hold the old one
+            return mx.slice_update(buf, values, mx.array([self.start]), axes=(axis,))
+        slots = self.slots if axis == 1 else self.slots[:, None, :, None]
+        return mx.put_along_axis(buf, slots, values, axis=axis)
 
 
 @dataclasses.dataclass
@@ -152,28 +161,35 @@ class KVCache:
         self.offset = self.offset + length
         self.bound = self.bound + length
         self.top = np.maximum(self.top, self.bound)
-        return Step(positions, offset, masks, writes)
+        return Step(positions, offset, masks, writes, {})
 
     def _write_positions(self, track: _Track, positions: mx.array, length: int, single: bool):
         """Store the new positions in the track; return the write plan and the mask."""
         end = int(self.bound.max(initial=0)) + length
+        # Rows of one known length write the same slots: a slice update instead of a scatter.
+        aligned = self.exact and (self.bound == self.bound[0]).all()
+        first = int(self.bound[0]) if aligned else None
         if not track.ring:
-            write = _Write(positions, length, False, slice(0, end))
-            track.pos = mx.put_along_axis(track.pos, positions, positions, axis=1)
+            write = _Write(positions, length, False, slice(0, end), first)
+            track.pos = write.store(track.pos, positions, axis=1)
             unmasked = single and length == 1
             return write, None if unmasked else _visible(track.pos[:, :end], positions, None)
         C, W = track.capacity, track.window
         slots = positions % C
+        n = min(length, C)
+        start = None if first is None or (first + length - n) % C + n > C else (first + length - n) % C
         if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
-            n = min(length, C)
             kpos = mx.concatenate([track.pos, positions], axis=1)
-            write = _Write(slots[:, length - n :], n, True, slice(0, C))
-            track.pos = mx.put_along_axis(track.pos, write.slots, positions[:, length - n :], axis=1)
+            write = _Write(slots[:, length - n :], n, True, slice(0, C), start)
+            track.pos = write.store(track.pos, positions[:, length - n :], axis=1)
             return write, _visible(kpos, positions, W)
-        track.pos = mx.put_along_axis(track.pos, slots, positions, axis=1)
         if single and length == 1 and end <= C:  # not wrapped yet: the window is a plain slice
-            return _Write(slots, length, False, slice(max(0, end - W), end)), None
-        return _Write(slots, length, False, slice(0, C)), _visible(track.pos, positions, W)
+            write = _Write(slots, length, False, slice(max(0, end - W), end), start)
+            track.pos = write.store(track.pos, positions, axis=1)
+            return write, None
+        write = _Write(slots, length, False, slice(0, C), start)
+        track.pos = write.store(track.pos, positions, axis=1)
+        return write, _visible(track.pos, positions, W)
 
     def update(self, layer: int, keys: mx.array, values: mx.array, step: Step) -> tuple[mx.array, mx.array]:
         """Store this forward's K/V for `layer`; return the K/V its queries attend over
@@ -183,9 +199,8 @@ class KVCache:
         buf_k, buf_v = self._buffers(layer, keys, values, capacity)
         n = write.count
         new_k, new_v = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
-        index = write.slots[:, None, :, None]
-        self.keys[layer] = mx.put_along_axis(buf_k, index, new_k, axis=2)
-        self.values[layer] = mx.put_along_axis(buf_v, index, new_v, axis=2)
+        self.keys[layer] = write.store(buf_k, new_k, axis=2)
+        self.values[layer] = write.store(buf_v, new_v, axis=2)
         if write.concat:
             return mx.concatenate([buf_k, keys], axis=2), mx.concatenate([buf_v, values], axis=2)
         return self.keys[layer][:, :, write.view], self.values[layer][:, :, write.view]

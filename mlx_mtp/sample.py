@@ -168,6 +168,8 @@ def greedy_accept(drafts: mx.array, target_argmax: mx.array, limit: Optional[mx.
         (n, next): (B,) accepted drafts and the target's token at n.
     """
     k = drafts.shape[-1]
+    if k == 0:  # a plain step
+        return mx.zeros(drafts.shape[:1], dtype=mx.int32), target_argmax[:, 0].astype(mx.int32)
     n = _prefix_len(_limit(drafts == target_argmax[:, :k], limit))
     return n, mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0].astype(mx.int32)
 

@@ -114,12 +114,14 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
             base: mx.array, state: BatchState) -> tuple[BatchState, RoundOutput]:
     """Roll every row back to its accepted prefix and carry the next token on."""
     B, k = drafts.tokens.shape
+    j = mx.arange(k + 1, dtype=mx.int32)[None]
     if k:
         cache.rollback_to(base + n + 1)  # keeps the row's last token and its n accepted drafts
-    j = mx.arange(k + 1, dtype=mx.int32)[None]
-    padded = mx.concatenate([drafts.tokens, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
-    emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
-    hidden = mx.take_along_axis(out.hidden, n[:, None, None], axis=1)[:, 0]
+        padded = mx.concatenate([drafts.tokens, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
+        emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
+        hidden = mx.take_along_axis(out.hidden, n[:, None, None], axis=1)[:, 0]
+    else:  # a plain step: nothing to roll back or pick
+        emitted, hidden = nxt[:, None], out.hidden[:, 0]
     history = state.history
     if history is not None:  # positions past the new token get -1 (or are rewritten later)
         history = mx.put_along_axis(history, base[:, None] + 1 + j, emitted, axis=1)

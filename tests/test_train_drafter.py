@@ -63,7 +63,7 @@ def test_unroll_equals_draft_steps(variant):
             for j in range(K):
                 step = drafter.draft_step(target.embed(tokens[b : b + 1, p + j : p + j + 1])[:, 0], h,
                                           out.shared_kv, pos)
-                np.testing.assert_allclose(np.array(step.logits[0]), np.array(rows[j][b, p - 1]), atol=1e-4)
+                np.testing.assert_allclose(np.array(step.logits[0]), np.array(rows[j][b, p - 1]), atol=3e-4)
                 h = step.hidden
 
 

@@ -125,7 +125,7 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
         if own:  # a real cache holding `ctx` positions, rolled back after every timed forward
             cache = KVCache([attn.layer_type] * (index + 1), cfg.sliding_window, 1, max_rollback=max(sizes))
             cache.update(index, ck, cv, cache.begin(ctx))
-        shared = Step(mx.arange(ctx, ctx + T)[None], ctx, {attn.layer_type: mask}, {})
+        shared = Step(mx.arange(ctx, ctx + T)[None], ctx, {attn.layer_type: mask}, {}, {})
 
         def chain():
             x = x0

@@ -117,6 +117,26 @@ class Drafter(Protocol):
         ...
 
 
+def fused_kernels() -> bool:
+    """True where MLX's `mx.fast` ops are single kernels (GPU). On the CPU they are split into
+    many small ops, each one dispatched, so models build cheaper equivalents there."""
+    return mx.default_device() == mx.gpu
+
+
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
     """Gemma 4 RMSNorm: plain `x * rsqrt(mean(x^2) + eps) * w` (no `1 + w`)."""
-    return mx.fast.rms_norm(x, weight, eps)
+    if fused_kernels():
+        return mx.fast.rms_norm(x, weight, eps)
+    return _rms_norm(x, eps) if weight is None else _rms_norm_weighted(x, weight, eps)
+
+
+@mx.compile
+def _rms_norm(x: mx.array, eps: float) -> mx.array:
+    # As mx.fast.rms_norm computes it: in float32, then the input's dtype.
+    y = x.astype(mx.float32)
+    return (y * mx.rsqrt(mx.mean(mx.square(y), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+@mx.compile
+def _rms_norm_weighted(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return _rms_norm(x, eps) * weight

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache, Step
-from .base import BaseConfig, ConfigError, TargetOutput, log, rms_norm
+from .base import BaseConfig, ConfigError, TargetOutput, fused_kernels, log, rms_norm
 
 
 @dataclasses.dataclass
@@ -155,22 +155,51 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_frequencies(params: dict, head_dim: int) -> tuple[int, Optional[float], Optional[mx.array]]:
-    """(dims, base, freqs) for `mx.fast.rope` from one layer type's `rope_parameters`."""
+def rope_periods(params: dict, head_dim: int) -> np.ndarray:
+    """(D/2,) rotation periods of the pairs (i, i + D/2) from one layer type's `rope_parameters`
+    (inf: a pair that does not rotate). Built on the host: a lazy table would tie the model to
+    the thread that loaded it."""
     kind = params.get("rope_type", "default")
     theta = float(params.get("rope_theta", 10000.0))
     factor = float(params.get("factor", 1.0))
     if kind == "default" and factor == 1.0:
-        return head_dim, theta, None
+        return theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if kind == "proportional":
-        # Only the first partial*D/2 frequency pairs rotate, with exponent denominator D;
-        # pairs are (i, i + D/2) across the whole head, so rope spans all D dims.
-        # Built on the host: a lazy table would tie the model to the thread that loaded it.
+        # Only the first partial*D/2 pairs rotate, with exponent denominator D.
         angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
         periods = factor * theta ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim)
-        rest = np.full((head_dim // 2 - angles,), np.inf, dtype=np.float32)
-        return head_dim, None, mx.array(np.concatenate([periods, rest]).astype(np.float32))
+        return np.concatenate([periods, np.full((head_dim // 2 - angles,), np.inf)])
     raise ConfigError(f"unsupported rope_type {kind!r}")
+
+
+class Rope:
+    """Rotary embedding of one layer type. GPUs get `mx.fast.rope`; elsewhere the cos/sin table
+    of a forward's positions is built once per layer type (in the step's scratch) and applied
+    by one compiled function, instead of each layer recomputing it."""
+
+    def __init__(self, params: dict, head_dim: int):
+        periods = rope_periods(params, head_dim)
+        self.dims, self.key = head_dim, ("rope", head_dim, tuple(periods))
+        self.base = float(params.get("rope_theta", 10000.0)) if params.get("rope_type", "default") == "default" else None
+        self.freqs = None if self.base is not None else mx.array(periods.astype(np.float32))
+        self.inverse = mx.array((1.0 / periods).astype(np.float32))
+
+    def __call__(self, x: mx.array, step: Step) -> mx.array:
+        if fused_kernels():
+            return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=step.offset,
+                                freqs=self.freqs)
+        table = step.scratch.get(self.key)
+        if table is None:
+            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse  # (B, 1, L, D/2)
+            table = step.scratch[self.key] = (mx.cos(angles), mx.sin(angles))
+        return _rotate(x, *table)
+
+
+@mx.compile
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class Attention(nn.Module):
@@ -192,26 +221,18 @@ class Attention(nn.Module):
                 self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
-        self.rope_dims, self.rope_base, self._rope_freqs = rope_frequencies(
-            cfg.rope_parameters[self.layer_type], hd
-        )
-
-    def rope(self, x: mx.array, offset) -> mx.array:
-        return mx.fast.rope(
-            x, self.rope_dims, traditional=False, base=self.rope_base, scale=1.0,
-            offset=offset, freqs=self._rope_freqs,
-        )
+        self._rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
     def __call__(self, x: mx.array, step: Step, cache: Optional[KVCache] = None, shared_kv=None):
         """Returns (output, kv): kv is the (keys, values) attended over, which a KV-shared
         layer passes in as `shared_kv` instead of computing its own."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), step.offset)
+        q = self._rope(q.transpose(0, 2, 1, 3), step)
         if shared_kv is None:
             k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
             v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), step.offset)
+            k = self._rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
             v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
             shared_kv = cache.update(self.index, k, v, step)
         out = mx.fast.scaled_dot_product_attention(q, *shared_kv, scale=1.0, mask=step.masks[self.layer_type])

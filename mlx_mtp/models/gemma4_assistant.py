@@ -154,7 +154,7 @@ class _DraftBody(nn.Module):
 
     def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], positions: mx.array) -> mx.array:
         masks = {kind: self.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
-        step = Step(positions, positions[:, 0], masks, {})
+        step = Step(positions, positions[:, 0], masks, {}, {})
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             kv = shared_kv[kind]
             x, _ = layer(x, step, shared_kv=(kv.keys, kv.values))
