@@ -125,7 +125,10 @@ def build_streaming() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cc, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise RegimeError(f"building the streaming sgemm failed: {' '.join(cmd)}: {e}") from e
     if proc.returncode:
         raise RegimeError(f"building the streaming sgemm failed: {' '.join(cmd)}\n{proc.stderr}")
     os.replace(tmp, lib)
