@@ -7,4 +7,7 @@ Subcommands (see apps/README.md):
   experts  MoE expert union per verify forward, and SwitchGLU's sorted-indices path
   cost     released shapes with random weights: per-layer step cost vs tokens per forward,
            drafter step cost, and a *projected* MTP speedup
+  stepcost a pair's forward cost vs tokens per row and drafter step: MTP round cost in plain steps
+
+Every subcommand takes --regime stock|mkl|streaming (which BLAS serves fp32 matmuls; regime.py).
 """

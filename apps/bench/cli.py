@@ -1,12 +1,17 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost} [options]` (speed by default)."""
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost} [options]` (speed by default).
+
+Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
+imported, so this module imports nothing that imports mlx until then.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from .env import device_info, device_line
+from . import regime
 
 
 def parser() -> argparse.ArgumentParser:
@@ -16,6 +21,9 @@ def parser() -> argparse.ArgumentParser:
     def common(p, out):
         p.add_argument("--out", type=Path, default=Path("bench_out") / out, help="results.{md,json}, plot.png")
         p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--regime", choices=regime.REGIMES, default="stock",
+                       help="BLAS for fp32 matmuls: stock (as installed), mkl, streaming (EMULATES a "
+                            "bandwidth-bound GPU: MKL + a weight-streaming sgemm for 1-8 rows)")
 
     s = sub.add_parser("speed", help="ours plain/MTP vs mlx-lm, B and K sweeps, prompt classes")
     common(s, "speed")
@@ -62,6 +70,18 @@ def parser() -> argparse.ArgumentParser:
                                         "or a speed results.json (its pair's measured rates)")
     c.add_argument("--skip-head", action="store_true", help="do not time the 262144-row LM head")
     c.set_defaults(repeats=2)
+
+    t = sub.add_parser("stepcost", help="target forward cost vs tokens per row, drafter step, MTP round cost in "
+                                        "plain steps")
+    common(t, "stepcost")
+    t.add_argument("--pair", default="demo", help="demo | tiny | mid (~313M-param Gemma-4-shaped target with random "
+                                                  "weights and a ~4%% drafter, built in-process)")
+    t.add_argument("--batch", default="1,4,8")
+    t.add_argument("--max-tokens", type=int, default=8, help="time target forwards of T = 1..N tokens per row")
+    t.add_argument("--k", default="1,2,3,4,5,6", help="draft lengths for the round cost")
+    t.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
+    t.add_argument("--seed", type=int, default=0, help="weights of the mid pair")
+    t.set_defaults(repeats=7)
     return ap
 
 
@@ -70,6 +90,13 @@ def main(argv=None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["speed", *argv]
     args = parser().parse_args(argv)
+    try:
+        regime.setup(args.regime)
+    except regime.RegimeError as e:
+        print(f"regime {args.regime}: {e}", file=sys.stderr)
+        return 2
+    from .env import device_info, device_line
+
     info = device_info()
     print(device_line(info), flush=True)
     log = lambda msg: print(msg, flush=True)
@@ -85,10 +112,16 @@ def main(argv=None) -> int:
         from .experts import run_experts
 
         res = run_experts(args, log)
-    else:
+    elif args.command == "cost":
         from .cost import run_cost
 
         res = run_cost(args, log)
+    else:
+        from .stepcost import run_stepcost
+
+        res = run_stepcost(args, log)
+    res["regime"] = info["regime"]
+    res["command"] = shlex.join(["python", "-m", "apps.bench", *argv])
     from .report import write
 
     md = write([res], info, args.out)

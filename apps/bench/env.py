@@ -1,4 +1,5 @@
-"""Where a benchmark ran: device, MLX version, BLAS preload, CPU model."""
+"""Where a benchmark ran: device, MLX version, regime (which BLAS serves fp32 matmuls), CPU model.
+Imported only after regime.setup (it imports mlx)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+
+from . import regime
 
 
 def cpu_model() -> str:
@@ -35,8 +38,9 @@ def device_info() -> dict:
         "mlx_lm": mlx_lm.__version__,
         "python": platform.python_version(),
         "ld_preload": preload,
-        "mkl_preloaded": "mkl" in preload.lower(),
+        "regime": regime.describe(),
     }
+    info["mkl_preloaded"] = bool(info["regime"]["mkl"])  # stock with an MKL LD_PRELOAD is refused
     try:
         if mx.metal.is_available():
             info["gpu"] = mx.metal.device_info().get("device_name", "metal")
@@ -46,7 +50,7 @@ def device_info() -> dict:
 
 
 def device_line(info: dict) -> str:
-    blas = "MKL preloaded" if info["mkl_preloaded"] else "no MKL preload (MLX's reference BLAS for fp32 matmul)"
+    blas = f"regime {info['regime']['label']}"
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
     return (f"device {info['device']} ({info['cpu']}, {info['cpu_count']} cores{gpu}), {info['platform']}, "
             f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, {blas}")

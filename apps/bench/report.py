@@ -31,8 +31,13 @@ def pivot(values: dict, ks, batches, title: str) -> str:
     return table([title] + [f"B={b}" for b in batches], rows)
 
 
+def regime_note(res: dict) -> str:
+    return f"Regime: {res['regime']['label']}."
+
+
 def speed_md(res: dict) -> str:
-    out = [f"## Speed: {res['pair']} ({res['quantization']})", "",
+    out = [f"## Speed: {res['pair']} ({res['quantization']}), regime {res['regime']['name']}", "",
+           regime_note(res), "",
            f"Measured. {res['tokens']} new tokens per row, greedy, stop tokens ignored, warm-up excluded, "
            f"median of {res['repeats']} interleaved repeats; speed-up = decode tok/s over ours-plain at the same B "
            f"and prompt class, median of within-repeat ratios. B = 1 uses `generate_tokens`, B > 1 `BatchGenerator` "
@@ -60,7 +65,8 @@ def speed_md(res: dict) -> str:
 
 
 def oracle_md(res: dict) -> str:
-    out = [f"## Oracle drafter (controlled acceptance), tiny pairs", "",
+    out = [f"## Oracle drafter (controlled acceptance), tiny pairs, regime {res['regime']['name']}", "",
+           regime_note(res), "",
            f"Measured. {res['tokens']} tokens, oracle K={res['k']}, median of {res['repeats']} interleaved repeats. "
            "oracle-P: the real drafter's cost, the target's true continuation proposed with probability P. "
            "Tiny models are dispatch-bound: this shows the loop's overheads and gains, not real-model speed.", ""]
@@ -81,6 +87,8 @@ def render(results: list[dict], info: dict) -> str:
             from .experts import experts_md as render_one
         elif res["mode"] == "cost":
             from .cost import cost_md as render_one
+        elif res["mode"] == "stepcost":
+            from .stepcost import stepcost_md as render_one
         else:
             render_one = {"speed": speed_md, "oracle": oracle_md}[res["mode"]]
         parts.append(render_one(res))

@@ -1,46 +1,105 @@
-"""`python -m apps.bench.stepcost`: measured per-forward costs of a pair (target forward over T
-tokens, one drafter step), the numbers that bound the MTP speed-up on a given machine."""
+"""Step-cost mode: measured per-forward costs of a pair (the target's forward over T tokens per row,
+one drafter step) at batch sizes B, and the MTP round cost they imply, in plain decoding steps:
 
-import argparse
-import mlx.core as mx
+    round(K, B) = (verify(T = K + 1) + K * draft_step) / plain_step(T = 1)
 
-from apps.bench.env import time_fn
-from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
-from mlx_mtp.loading import load_model
+A round emits up to K + 1 tokens per row, so round(K) bounds the speed-up: at acceptance length
+L a round pays off only if L > round(K). Medians of within-repeat ratios over interleaved repeats.
 
+`python -m apps.bench.stepcost ARGS` is `python -m apps.bench stepcost ARGS`.
+"""
 
-def timed(fn, repeats=30):
-    return time_fn(fn, repeats, warmup=3) * 1e3
+import sys
 
+if __name__ == "__main__":  # set up the regime before anything imports mlx
+    from apps.bench.cli import main
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(TARGET_DIR))
-    ap.add_argument("--drafter", default=str(DRAFTER_DIR))
-    ap.add_argument("--batch", default="1,8")
-    args = ap.parse_args(argv)
-    target = load_model(args.model, dtype=mx.float32)[0]
-    drafter = load_model(args.drafter, dtype=mx.float32)[0]
-    print("| B | target T=1 ms | target T=4 (K=3 verify) ms | drafter step ms | K=3 round / plain step |")
-    print("|---|---|---|---|---|")
-    for B in [int(b) for b in args.batch.split(",")]:
-        cache = target.make_cache(B, max_rollback=8)
-        out = target(mx.ones((B, 200), dtype=mx.int32), cache)
-        mx.eval(out.hidden)
+    raise SystemExit(main(["stepcost", *sys.argv[1:]]))
 
-        def forward(T):
-            o = target(mx.ones((B, T), dtype=mx.int32), cache)
-            mx.eval(o.logits)
-            cache.trim(T)
+import time  # noqa: E402
 
-        def step():
-            o = drafter.draft_step(target.embed(mx.ones((B, 1), dtype=mx.int32))[:, 0], out.hidden[:, -1],
-                                   target.shared_kv(cache), mx.array([200] * B))
-            mx.eval(o.logits, o.hidden)
+import mlx.core as mx  # noqa: E402
 
-        t1, t4, d = timed(lambda: forward(1)), timed(lambda: forward(4)), timed(step)
-        print(f"| {B} | {t1:.1f} | {t4:.1f} | {d:.1f} | {(t4 + 3 * d) / t1:.2f}x |")
+from .env import median  # noqa: E402
+from .pairs import load_pair  # noqa: E402
+from .report import fmt, pivot, regime_note, table  # noqa: E402
 
 
-if __name__ == "__main__":
-    main()
+def timed(fn, inner: int) -> float:
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner
+
+
+def measure_batch(target, drafter, B: int, sizes: list[int], context: int, repeats: int, log) -> dict:
+    cache = target.make_cache(B, max_rollback=max(sizes))
+    prefill = target(mx.ones((B, context), dtype=mx.int32), cache)
+    mx.eval(prefill.hidden)
+    hidden = prefill.hidden[:, -1]
+    token = mx.ones((B, 1), dtype=mx.int32)
+    position = mx.full((B,), context, dtype=mx.int32)
+
+    def forward(T):
+        out = target(mx.ones((B, T), dtype=mx.int32), cache)
+        mx.eval(out.logits)
+        cache.trim(T)
+
+    def draft_step():
+        out = drafter.draft_step(target.embed(token)[:, 0], hidden, target.shared_kv(cache), position)
+        mx.eval(out.logits, out.hidden)
+
+    fns = {T: (lambda T=T: forward(T)) for T in sizes}
+    fns["draft"] = draft_step
+    # Warm-up; a sample repeats a call until it takes ~50 ms (tiny pairs are noisy per call).
+    inner = {k: max(1, min(20, round(0.05 / max(timed(fn, 2), 1e-6)))) for k, fn in fns.items()}
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):  # interleaved: machine noise hits every size alike
+        for k, fn in fns.items():
+            samples[k].append(timed(fn, inner[k]))
+    log(f"  B={B}: " + ", ".join(f"T={k} {1e3 * median(v):.1f} ms" if k != "draft" else
+                                 f"draft {1e3 * median(v):.1f} ms" for k, v in samples.items()))
+    return samples
+
+
+def run_stepcost(args, log=print) -> dict:
+    sizes = list(range(1, args.max_tokens + 1))
+    batches = [int(b) for b in args.batch.split(",")]
+    ks = [k for k in (int(k) for k in args.k.split(",")) if k + 1 <= args.max_tokens]
+    target, drafter, description = load_pair(args.pair, args.seed)
+    log(description)
+    forward_ms, draft_ms, ratio_4_1, rounds = {}, {}, {}, {}
+    for B in batches:
+        s = measure_batch(target, drafter, B, sizes, args.context, args.repeats, log)
+        forward_ms[B] = {T: 1e3 * median(s[T]) for T in sizes}
+        draft_ms[B] = 1e3 * median(s["draft"])
+        per_repeat = lambda f: median([f(r) for r in range(args.repeats)])  # noqa: E731
+        if 4 in sizes:
+            ratio_4_1[B] = per_repeat(lambda r: s[4][r] / s[1][r])
+        for K in ks:
+            rounds[f"{K}@{B}"] = per_repeat(lambda r: (s[K + 1][r] + K * s["draft"][r]) / s[1][r])
+    return dict(mode="stepcost", pair=args.pair, description=description, context=args.context,
+                repeats=args.repeats, sizes=sizes, batches=batches, ks=ks, forward_ms=forward_ms,
+                draft_ms=draft_ms, ratio_4_1=ratio_4_1, round_in_plain_steps=rounds)
+
+
+def stepcost_md(res: dict) -> str:
+    out = [f"## Step cost: {res['pair']} pair, regime {res['regime']['name']}", "",
+           f"`{res['command']}`", "",
+           regime_note(res), "",
+           f"Measured: {res['description']}. Target forward over T new tokens per row on a cache of {res['context']} "
+           f"tokens (logits evaluated), one drafter step (logits and next hidden evaluated); median of "
+           f"{res['repeats']} interleaved repeats; ratios are medians of within-repeat ratios.", ""]
+    header = ["B"] + [f"T={T} ms" for T in res["sizes"]] + ["draft step ms", "T=4 / T=1"]
+    rows = [[B] + [fmt(res["forward_ms"][B][T], ".1f") for T in res["sizes"]]
+            + [fmt(res["draft_ms"][B], ".1f"), fmt(res["ratio_4_1"].get(B)) + "x"] for B in res["batches"]]
+    out += [table(header, rows), "",
+            "MTP round cost in plain steps, (verify(K+1) + K x draft step) / plain step, same B "
+            f"(regime {res['regime']['name']}):", "",
+            pivot(res["round_in_plain_steps"], res["ks"], res["batches"], "round / plain step"), ""]
+    if res["regime"]["emulation"]:
+        outside = [f"{K}@{B}" for B in res["batches"] for K in res["ks"] if B * (K + 1) > 8]
+        if outside:
+            out += [f"The emulation covers forwards of B x T <= 8 rows; the verify forwards of entries "
+                    f"{', '.join(outside)} (K@B) run on MKL, outside it.", ""]
+    return "\n".join(out)
