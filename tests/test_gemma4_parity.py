@@ -64,3 +64,34 @@ def test_sharded_checkpoint_with_index_loads():
     files = sorted(p.name for p in (TINY / "moe" / "target").glob("*.safetensors"))
     assert len(files) >= 2 and (TINY / "moe" / "target" / "model.safetensors.index.json").exists()
     assert tiny_target("moe").config.enable_moe_block
+
+
+def test_prompt_processing_runs_kv_shared_layers_only_where_used(monkeypatch):
+    """E2B/E4B: KV-shared layers store nothing, so in prompt processing they run only on the
+    last position (whose output is used); logits and the cache are those of the full forward."""
+    from mlx_mtp.models import gemma4
+
+    model, ref = tiny_target("e2b"), reference("e2b")
+    ids = prompt("e2b")
+    seen = {}
+    original = gemma4.DecoderLayer.__call__
+
+    def spy(self, x, *args, **kwargs):
+        seen.setdefault(id(self), []).append(x.shape[1])
+        return original(self, x, *args, **kwargs)
+
+    full_cache, chunk_cache = model.make_cache(), model.make_cache()
+    full = model(ids, full_cache)
+    monkeypatch.setattr(gemma4.DecoderLayer, "__call__", spy)
+    model(ids[:, :12], chunk_cache, keep=0)
+    last = model(ids[:, 12:], chunk_cache, keep=1)
+    first_shared = model.config.first_shared_layer
+    assert first_shared < len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        assert seen[id(layer)] == ([12, 8] if i < first_shared else [1])  # chunk 1 skips them entirely
+    assert max_diff(last.logits[0, -1], ref["logits_exact"][-1]) <= TOL
+    assert max_diff(last.logits[0, -1], full.logits[0, -1]) <= TOL
+    for kind in ("sliding_attention", "full_attention"):
+        a, b = full.shared_kv[kind], last.shared_kv[kind]
+        assert np.array_equal(np.array(a.positions), np.array(b.positions))
+        assert max_diff(a.keys, b.keys) <= TOL and max_diff(a.values, b.values) <= TOL
