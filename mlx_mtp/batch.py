@@ -26,7 +26,7 @@ from .cache import KVCache, Snapshot
 from .drafters import as_proposer
 from .models.base import TargetModel
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
-from .speculative import K_MAX, MAX_ROLLBACK, BatchState, DraftPolicy, Plan, RoundOutput, check_draft_tokens, run_round
+from .speculative import K_MAX, MAX_ROLLBACK, BatchState, Plan, RoundOutput, check_draft_tokens, policy_for, run_round
 from .stats import Stats
 from .threads import mark_mlx_thread
 
@@ -115,7 +115,7 @@ class BatchGenerator:
                  prefill_chunk: int = 512):
         self.target = target
         self.proposer = as_proposer(drafter, target)
-        self.policy = DraftPolicy(draft_tokens if self.proposer is not None else 0)
+        self.policy = policy_for(drafter, draft_tokens)
         self.prefill_chunk = prefill_chunk
         self.limit = target.config.max_position_embeddings
         self.stats = Stats()  # every row together

@@ -28,10 +28,11 @@ class MTPProposer:
     def propose(self, state: BatchState, cache: KVCache, k: int, plan: Plan) -> Drafts:
         position = cache.offset
         shared = self.target.shared_kv(cache)
+        step = self.drafter.step(shared, position[:, None])  # masks and RoPE: once per block
         tokens, hidden = state.tokens, state.hidden
         drafted, qs = [], []
         for i in range(k):
-            out = self.drafter.draft_step(self.target.embed(tokens[:, None])[:, 0], hidden, shared, position)
+            out = self.drafter.draft_step(self.target.embed(tokens[:, None])[:, 0], hidden, shared, position, step)
             if plan.greedy:
                 tokens = out.argmax().astype(mx.int32)
             else:

@@ -10,7 +10,9 @@ The cache holds every token of a row but the last one emitted.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 from typing import Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
@@ -142,60 +144,99 @@ def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache,
 class DraftPolicy:
     """How many tokens to draft next round: the one policy for every batch size.
 
-    Fixed, or "auto": the K in 0..k_max with the most expected tokens per second, where a round
-    with K drafts is expected to give rows * (1 + sum_j prod_{i<=j} a_i) tokens (a_i: measured
-    acceptance of draft i given the ones before it) and its cost is measured per (rows, K),
-    K = 0 included, then interpolated for K not yet measured. Neighbours of the best K are
-    re-measured now and then so estimates follow the machine.
+    Fixed, or "auto": the K in 0..k_max with the most expected tokens per second. A round with K
+    drafts is expected to give rows * (1 + sum_j prod_{i<=j} a_i) tokens (a_i: the measured
+    acceptance of draft i given the ones before it); its cost is measured per (rows, K), and for
+    a K not measured at this batch size read off a line fitted through the ones that were. The
+    first rounds at a batch size measure K = 0 (pipelined plain decoding) and K = K_START; after
+    that the best K runs, and every `probe_every` rounds a neighbour of it is measured again
+    (K_START when the best is 0: acceptance may have changed), so estimates follow the machine.
     """
+
+    K_START = 2
+    MARGIN = 1.03  # drafting must promise this much more than plain steps: noise is not a gain
+    WINDOW = 16  # round times kept per (rows, K); their median is the cost
 
     def __init__(self, k: Union[int, str] = "auto", k_max: int = K_MAX, probe_every: int = 16):
         self.fixed = None if k == "auto" else check_draft_tokens(k)
         self.k_max = k_max if self.fixed is None else self.fixed
-        self.accept = np.full(K_MAX, 0.6)  # P(draft i accepted | the ones before were)
-        self.seen = np.zeros(K_MAX)
-        self.cost: dict[tuple[int, int], float] = {}  # (rows, K) -> seconds per round
+        # P(draft i accepted | the ones before were): a Beta(2, 2) prior, then recent rounds.
+        self.hits, self.seen = np.full(K_MAX, 2.0), np.full(K_MAX, 4.0)
+        self.times: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> recent seconds
         self.rounds = 0
         self.probe_every = probe_every
+
+    @property
+    def accept(self) -> np.ndarray:
+        return self.hits / self.seen
+
+    @property
+    def cost(self) -> dict[tuple[int, int], float]:
+        """(rows, K) -> measured seconds per round."""
+        return {key: float(np.median(t)) for key, t in self.times.items()}
 
     def choose(self, rows: int) -> int:
         if self.fixed is not None:
             return self.fixed
+        start = min(self.K_START, self.k_max)
+        for k in (0, start):  # measure plain steps and one draft length first
+            if len(self.times.get((rows, k), ())) < 3:
+                return k
         self.rounds += 1
-        best = max(range(self.k_max + 1), key=lambda k: self.rate(rows, k))
+        cost = self.cost
+        best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
+        if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
+            best = 0
         if self.rounds % self.probe_every == 0:  # keep the neighbours' estimates fresh
             up = (self.rounds // self.probe_every) % 2
-            best = min(self.k_max, best + 1) if up else max(0, best - 1)
+            if best == 0:
+                return start if up else 1
+            return min(self.k_max, best + 1) if up else best - 1
         return best
 
-    def rate(self, rows: int, k: int) -> float:
+    def rate(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
         tokens = rows * (1 + np.cumprod(self.accept[:k]).sum())
-        return tokens / self.round_cost(rows, k)
+        return tokens / self.round_cost(rows, k, cost)
 
-    def round_cost(self, rows: int, k: int) -> float:
-        if (rows, k) in self.cost:
-            return self.cost[(rows, k)]
-        known = sorted((kk, c) for (r, kk), c in self.cost.items() if r == rows)
-        if len(known) >= 2:
-            (k0, c0), (k1, c1) = known[0], known[-1]
-            slope = max((c1 - c0) / max(k1 - k0, 1), 0.0)
-            return max(c0 + slope * (k - k0), 1e-9)
-        if known:  # one point: assume each draft adds a fifth of a plain step
+    def round_cost(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
+        cost = self.cost if cost is None else cost
+        if (rows, k) in cost:
+            return cost[(rows, k)]
+        known = [(kk, c) for (r, kk), c in cost.items() if r == rows]
+        if len(known) >= 2:  # least-squares line through the measured draft lengths
+            ks, cs = np.array(known, dtype=np.float64).T
+            slope = max(np.polyfit(ks, cs, 1)[0], 0.0)
+            return max(float(cs.mean() + slope * (k - ks.mean())), 1e-9)
+        if known:  # one point: assume each draft costs half a plain step
             k0, c0 = known[0]
-            return c0 * (5 + k) / (5 + k0)
-        return 1.0 + k / 5  # nothing measured yet: optimistic, so drafting gets tried
+            return c0 * (2 + k) / (2 + k0)
+        return 1.0 + k / 2
 
     def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
         """A round of `k` drafts over `rows` rows took `seconds` (None: not timed) and
         accepted `accepted[b]` drafts of the rows that drafted."""
         if seconds is not None:
-            key = (rows, k)
-            self.cost[key] = seconds if key not in self.cost else 0.8 * self.cost[key] + 0.2 * seconds
+            self.times.setdefault((rows, k), collections.deque(maxlen=self.WINDOW)).append(seconds)
         for n in accepted:  # conditional acceptance per position, from each row's prefix
             for i in range(min(n + 1, k)):
+                if self.seen[i] >= 200:  # forget slowly: acceptance drifts with the text
+                    self.hits[i], self.seen[i] = self.hits[i] * 0.99, self.seen[i] * 0.99
+                self.hits[i] += i < n
                 self.seen[i] += 1
-                weight = max(1.0 / self.seen[i], 0.02)
-                self.accept[i] += weight * ((i < n) - self.accept[i])
+
+
+_POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def policy_for(drafter, k: Union[int, str]) -> DraftPolicy:
+    """The draft-length policy of a drafter: "auto" policies persist with the drafter object, so
+    what one generation measured (round costs, acceptance) serves the next."""
+    if drafter is None or k != "auto":
+        return DraftPolicy(k if drafter is not None else 0)
+    try:
+        return _POLICIES.setdefault(drafter, DraftPolicy("auto"))
+    except TypeError:  # not weakly referenceable: a policy of its own
+        return DraftPolicy("auto")
 
 
 def check_draft_tokens(k) -> int:

@@ -145,9 +145,10 @@ def unroll(drafter, embeds: mx.array, hidden: mx.array, shared_kv: dict[str, Sha
     T = L - k - start + 1
     qpos = mx.broadcast_to(mx.arange(start, start + T, dtype=mx.int32)[None], (B, T))
     h = hidden[:, start - 1 : start - 1 + T]
+    step = drafter.step(shared_kv, qpos)
     out = []
     for j in range(k):
-        x = drafter.trunk(embeds[:, start + j : start + j + T], h, shared_kv, qpos)
+        x = drafter.trunk(embeds[:, start + j : start + j + T], h, shared_kv, step)
         out.append(drafter.model.embed_tokens.as_linear(x))
         if "masked_embedding" in drafter:  # E2B/E4B centroid head: also score the clusters
             out[-1] = (out[-1], drafter.masked_embedding.centroids(x))

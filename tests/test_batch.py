@@ -136,5 +136,12 @@ def test_draft_policy_prefers_drafting_only_when_it_pays():
     good = DraftPolicy("auto", k_max=4)
     for _ in range(20):  # near-perfect drafts, cheap drafting
         good.observe(8, 0, [0] * 8, 1.0)
+        good.observe(8, 2, [2] * 8, 1.2)
         good.observe(8, 4, [4] * 8, 1.4)
     assert good.choose(8) >= 3
+    fresh = DraftPolicy("auto")  # nothing measured at this batch size: plain steps, then K_START
+    chosen = []
+    for _ in range(6):
+        chosen.append(fresh.choose(3))
+        fresh.observe(3, chosen[-1], [1] * 3, 1.0)
+    assert chosen == [0, 0, 0] + [DraftPolicy.K_START] * 3

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
 
-from ..cache import KVCache, SharedKV
+from ..cache import KVCache, SharedKV, Step
 
 log = logging.getLogger("mlx_mtp")
 
@@ -110,7 +110,12 @@ class Drafter(Protocol):
         hidden: mx.array,
         shared_kv: dict[str, SharedKV],
         position: mx.array,
+        step: Optional[Step] = None,
     ) -> DraftOutput: ...
+
+    def step(self, shared_kv: dict[str, SharedKV], positions: mx.array) -> Step:
+        """What every draft step of a block at `positions` shares (masks, RoPE tables)."""
+        ...
 
     def check_target(self, target: TargetModel) -> None:
         """Raise ValueError if this drafter cannot read `target`'s K/V."""

@@ -81,7 +81,8 @@ class Model(nn.Module):
             self.masked_embedding = MaskedEmbedder(cfg)
 
     def draft_step(
-        self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], position: mx.array
+        self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], position: mx.array,
+        step: Optional[Step] = None,
     ) -> DraftOutput:
         """One draft step for B rows.
 
@@ -90,20 +91,27 @@ class Model(nn.Module):
             hidden: (B, H_t) target hidden state (first step) or the previous step's output.
             shared_kv: the target's store-layer K/V, holding exactly positions < `position`.
             position: (B,) int32 query position p, constant within a draft block.
+            step: `self.step(shared_kv, position[:, None])`, made once for a block's steps.
         """
-        h = self.trunk(token_embed[:, None], hidden[:, None], shared_kv, position[:, None])[:, 0]
+        step = step if step is not None else self.step(shared_kv, position[:, None])
+        h = self.trunk(token_embed[:, None], hidden[:, None], shared_kv, step)[:, 0]
         next_hidden = self.post_projection(h)
         if "masked_embedding" in self:
             logits, ids = self.masked_embedding(h, self.model.embed_tokens)
             return DraftOutput(logits, next_hidden, ids)
         return DraftOutput(self.model.embed_tokens.as_linear(h), next_hidden)
 
-    def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV],
-              positions: mx.array) -> mx.array:
-        """Pre-projection and decoder layers for (B, T) queries at consecutive positions: one
-        query per row when drafting, a whole text chunk at once when training."""
+    def step(self, shared_kv: dict[str, SharedKV], positions: mx.array) -> Step:
+        """Masks (and room for RoPE tables) for (B, T) queries at consecutive positions over the
+        target's K/V: the same for every step of a draft block."""
+        masks = {kind: self.model.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
+        return Step(positions, positions[:, 0], masks, {}, {})
+
+    def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
+        """Pre-projection and decoder layers for (B, T) queries at `step.positions`: one query
+        per row when drafting, a whole text chunk at once when training."""
         x = self.pre_projection(mx.concatenate([token_embed, hidden.astype(token_embed.dtype)], -1))
-        return self.model(x, shared_kv, positions)
+        return self.model(x, shared_kv, step)
 
     def check_target(self, target: TargetModel) -> None:
         """Raise ValueError unless this drafter can read `target`'s hidden state and K/V."""
@@ -152,9 +160,7 @@ class _DraftBody(nn.Module):
         self.layers = [gemma4.DecoderLayer(t, i) for i in range(t.num_hidden_layers)]
         self.norm = gemma4.RMSNorm(t.hidden_size, t.rms_norm_eps)
 
-    def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], positions: mx.array) -> mx.array:
-        masks = {kind: self.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
-        step = Step(positions, positions[:, 0], masks, {}, {})
+    def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             kv = shared_kv[kind]
             x, _ = layer(x, step, shared_kv=(kv.keys, kv.values))
