@@ -145,3 +145,27 @@ def test_draft_policy_prefers_drafting_only_when_it_pays():
         chosen.append(fresh.choose(3))
         fresh.observe(3, chosen[-1], [1] * 3, 1.0)
     assert chosen == [0, 0, 0] + [DraftPolicy.K_START] * 3
+
+
+def test_a_long_prompt_is_prefilled_between_rounds():
+    """While a 300-token prompt is prefilled in chunks of 16, a streaming row gets tokens at
+    every step: it stalls for at most one chunk per round."""
+    target, drafter = tiny_target("dense"), tiny_drafter("dense")
+    gen = BatchGenerator(target, drafter, draft_tokens=2, prefill_chunk=16)
+    short = prompts("dense", 1)[0]
+    first = gen.insert(short, max_tokens=200)
+    while not any(e.uid == first for e in gen.step()):
+        pass
+    long_prompt = (reference("dense")["prompt"].tolist() * 15)[:300]
+    second = gen.insert(long_prompt, max_tokens=5)
+    steps_while_prefilling, out = 0, {first: [], second: []}
+    while gen.busy:
+        prefilling = bool(gen.pending)
+        events = gen.step()
+        for e in events:
+            out[e.uid] += e.tokens
+        if prefilling:
+            steps_while_prefilling += 1
+            assert any(e.uid == first and e.tokens for e in events)
+    assert steps_while_prefilling >= 300 // 16
+    assert out[second] == alone("dense", long_prompt, 5)
