@@ -160,6 +160,23 @@ def test_eight_clients_with_cancels_and_bad_requests_all_end_exactly(loaded):
     assert metrics["spec_draft_tokens"] > metrics["spec_accepted_tokens"] > 0
 
 
+def test_conversations_keep_their_cache_through_the_batch(loaded):
+    """Two conversations and a one-shot request share the batch; each turn feeds only its new
+    message (its cache came back from the batch), and replies equal a lone Conversation's."""
+    with Engine(loaded) as engine:
+        convs = [engine.new_conversation(system=f"bot {i}") for i in range(2)]
+        references = [Conversation(loaded, system=f"bot {i}") for i in range(2)]
+        for text in ("hello there", "tell me more", "and then?"):
+            busy = engine.submit(Request("x" * 40, max_tokens=30))
+            handles = [engine.submit(Request(text, conversation=c, max_tokens=25, draft_tokens=2)) for c in convs]
+            for handle, ref in zip(handles, references):
+                done = handle.result(WAIT)
+                assert list(done.tokens) == [e.token for e in ref.reply(text, max_tokens=25, draft_tokens=2)]
+                if text != "hello there":  # <turn|>\n<|turn>user\n + message + <turn|>\n<|turn>model\n
+                    assert done.stats.prompt_tokens <= len(text) + 19
+            busy.result(WAIT)
+
+
 def test_queue_and_memory_limits(loaded):
     with Engine(loaded, max_batch=1, max_queue=1) as engine:
         running = engine.submit(Request("long", max_tokens=400))
