@@ -287,7 +287,9 @@ class BatchGenerator:
         out = inflight.out
         tokens, accepted, drafted = out.tokens.tolist(), out.accepted.tolist(), out.drafted.tolist()
         now = time.perf_counter()
-        seconds = None if self._last_read is None or inflight.after_prefill else now - self._last_read
+        alike = launched is not None and launched.plan.k == inflight.plan.k and len(launched.rows) == len(inflight.rows)
+        timed = alike and self._last_read is not None and not (inflight.after_prefill or launched.after_prefill)
+        seconds = now - self._last_read if timed else None
         if self._last_read is not None:
             self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
         self._last_read = now

@@ -154,6 +154,7 @@ class DraftPolicy:
     """
 
     K_START = 2
+    PROBE = 3  # rounds a probe lasts: a round's time is only known between two alike rounds
     MARGIN = 1.03  # drafting must promise this much more than plain steps: noise is not a gain
     WINDOW = 16  # round times kept per (rows, K); their median is the cost
 
@@ -187,7 +188,8 @@ class DraftPolicy:
         best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
         if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
             best = 0
-        if self.rounds % self.probe_every == 0:  # keep the neighbours' estimates fresh
+        if self.rounds % self.probe_every >= self.probe_every - self.PROBE:  # keep a neighbour's
+            # estimate fresh, for a few rounds in a row
             up = (self.rounds // self.probe_every) % 2
             if best == 0:
                 return start if up else 1
