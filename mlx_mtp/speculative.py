@@ -11,7 +11,7 @@ The cache holds every token of a row but the last one emitted.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -114,14 +114,25 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
     return BatchState(nxt, hidden, seeds), RoundOutput(emitted, n)
 
 
+def here(decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:
+    """Where a decision is made and who gets it, in one process: here, for everyone. (Under
+    pipeline parallelism the rank holding the logits decides and tells the others.)"""
+    return decide()
+
+
 def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache, state: BatchState,
-              plan: Plan) -> tuple[BatchState, RoundOutput]:
+              plan: Plan, share: Callable = here) -> tuple[BatchState, RoundOutput]:
     """draft -> verify -> accept -> advance, for every row of the cache; nothing is evaluated."""
     base = cache.offset
     drafts = draft(proposer, state, cache, plan)
     out = verify(target, cache, state, drafts)
-    n, nxt = accept(drafts, out, plan, state.seeds, base)
-    return advance(cache, out, drafts, n, nxt, base, state.seeds)
+
+    def decide():
+        return (drafts.tokens, *accept(drafts, out, plan, state.seeds, base))
+
+    B, k = drafts.tokens.shape
+    tokens, n, nxt = share(decide, [(B, k), (B,), (B,)])
+    return advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, base, state.seeds)
 
 
 class DraftPolicy:
