@@ -17,9 +17,11 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
+from . import pipeline
 from .conversation import Conversation
 from .generate import ContextLengthError
-from .loading import load
+from .group import Group, launched
+from .loading import Loaded, load
 from .sample import SamplingParams
 from .stats import Stats
 
@@ -70,8 +72,8 @@ def demo_pair() -> tuple[Path, Optional[Path]]:
     return root / "target", (root / "drafter") if (root / "drafter").is_dir() else None
 
 
-def open_conversation(args) -> tuple[Conversation, str]:
-    """Load the model; returns the conversation and a banner line."""
+def load_pair(args, group: Optional[Group] = None) -> tuple[Loaded, str]:
+    """Load the model (this rank's part of it in a pipeline group); returns it and a banner line."""
     model, drafter, dtype = args.model, args.drafter, args.dtype
     what = f"model {model}"
     if model is None:
@@ -81,14 +83,15 @@ def open_conversation(args) -> tuple[Conversation, str]:
         what = f"no --model: running the bundled demo pair in {model.parent}, a small model to try things out"
     if args.no_mtp:
         drafter = None
-    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
-    if loaded.tokenizer is None:
-        raise ValueError(f"{model} has no tokenizer: chat needs one")
-    if not getattr(loaded.tokenizer, "has_chat_template", True):
-        raise ValueError(f"{model}'s tokenizer has no chat template")
-    k = args.draft_tokens
-    mode = f"MTP, draft tokens {k}" if drafter is not None else "plain decoding"
-    return Conversation(loaded, system=args.system), f"{what}; {mode}"
+    dtype = getattr(mx, dtype) if dtype else None
+    loaded = load(model, drafter, dtype=dtype) if group is None else pipeline.load(model, drafter, dtype, group)
+    if group is None or group.leader:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer: chat needs one")
+        if not getattr(loaded.tokenizer, "has_chat_template", True):
+            raise ValueError(f"{model}'s tokenizer has no chat template")
+    mode = f"MTP, draft tokens {args.draft_tokens}" if drafter is not None else "plain decoding"
+    return loaded, f"{what}; {mode}"
 
 
 def stat_line(s: Stats) -> str:
@@ -178,12 +181,22 @@ def repl(conv: Conversation, options: dict, interactive: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    group = launched()  # the ranks `mlx.launch` started together (pipeline parallelism), or None
     try:
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
-        conv, banner = open_conversation(args)
+        loaded, banner = load_pair(args, group)
+        conv = Conversation(loaded, system=args.system) if group is None or group.leader else None
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    if group is None:
+        return talk(conv, args, sampling, banner)
+    print(loaded.target.pipeline.describe(), file=sys.stderr)
+    return pipeline.run(loaded, group, lambda: talk(conv, args, sampling, banner)) or 0
+
+
+def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int:
+    """Answer --prompt, or run the REPL."""
     if args.seed is not None:
         mx.random.seed(args.seed)
     options = dict(max_tokens=args.max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
