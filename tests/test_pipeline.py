@@ -162,3 +162,18 @@ def test_groups_that_do_not_fit_are_refused():
     assert len(place(target, None, 6)) == 6  # without a drafter every rank gets a layer
     with pytest.raises(PlacementError, match="E2B/E4B"):
         place(tiny_target("e2b"), None, 2)
+
+
+def test_the_pipeline_benchmark_counts_what_crosses_ranks(tmp_path):
+    from apps.bench.cli import main
+
+    assert main(["pipeline", "--tokens", "12", "--repeats", "1", "--k", "2", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())["results"][0]
+    plain, mtp = res["rows"]
+    H, K = 64, 2  # tiny dense: fp32 activations of width 64
+    # plain: the hidden state to rank 1, the decision (accepted count, next token) back
+    assert plain["messages_per_round"] == 2 and plain["bytes_per_round"] == H * 4 + 2 * 4
+    # MTP: the drafts to rank 0 as well; the verify carries K + 1 positions
+    assert mtp["messages_per_round"] == 3 and mtp["bytes_per_round"] == (K + 1) * H * 4 + K * 4 + (K + 2) * 4
+    assert plain["one_process_tps"] > 0 and plain["two_ranks_tps"] > 0
+    assert "LOCAL LOOPBACK ONLY" in (tmp_path / "results.md").read_text()

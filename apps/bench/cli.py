@@ -1,4 +1,4 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost} [options]` (speed by default)."""
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,pipeline} [options]` (speed by default)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
                                         "or a speed results.json (its pair's measured rates)")
     c.add_argument("--skip-head", action="store_true", help="do not time the 262144-row LM head")
     c.set_defaults(repeats=2)
+
+    p = sub.add_parser("pipeline", help="1 process vs 2 local ranks (pipeline parallelism): tok/s, traffic per round")
+    common(p, "pipeline")
+    p.add_argument("--pair", default="tiny-dense", help="tiny-dense | tiny-moe (E2B-style pairs cannot be split)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--k", type=int, default=3, help="draft length of the MTP mode")
     return ap
 
 
@@ -81,6 +88,10 @@ def main(argv=None) -> int:
         from .speed import run_oracle
 
         res = run_oracle(args, log)
+    elif args.command == "pipeline":
+        from .pipeline import run_pipeline_bench
+
+        res = run_pipeline_bench(args, log)
     elif args.command == "experts":
         from .experts import run_experts
 
