@@ -181,8 +181,8 @@ def repl(conv: Conversation, options: dict, interactive: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    group = launched()  # the ranks `mlx.launch` started together (pipeline parallelism), or None
     try:
+        group = launched()  # the ranks `mlx.launch` started together (pipeline parallelism), or None
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
         loaded, banner = load_pair(args, group)
         conv = Conversation(loaded, system=args.system) if group is None or group.leader else None

@@ -74,8 +74,8 @@ class Group:
         self._failing = threading.Lock()
         self.secret = self._connect(connect_timeout)
         for rank, peer in self.peers.items():
-            listen = threading.Thread(target=self._listen, args=(rank, peer), name=f"mlx_mtp-peer{rank}", daemon=True)
-            listen.start()
+            name = f"mlx_mtp-rank{rank}"
+            threading.Thread(target=self._listen, args=(rank, peer), name=name, daemon=True).start()
         threading.Thread(target=self._watch, name="mlx_mtp-watchdog", daemon=True).start()
 
     # ---- messages -------------------------------------------------------------------------
@@ -130,26 +130,36 @@ class Group:
         shared = mx.distributed.all_sum(mx.array([port, secret], dtype=mx.int32), group=self.world)
         port, secret = (int(v) for v in shared.tolist())
         if not self.leader:
-            sock = socket.create_connection((host, port), timeout=timeout)
-            self.peers[0] = _Peer(sock)
+            self.peers[0] = _Peer(socket.create_connection((host, port), timeout=timeout))
             self.peers[0].write({"rank": self.rank, "secret": secret})
             return secret
         try:
             while len(self.peers) < self.size - 1:
-                sock, _ = server.accept()
-                peer = _Peer(sock)
-                hello = peer.read()
-                rank = hello.get("rank") if hello else None
-                if hello is None or hello.get("secret") != secret or rank not in range(1, self.size):
+                peer = _Peer(server.accept()[0])
+                rank = self._hello(peer, secret, timeout)
+                if rank is None:
                     peer.close()  # not one of ours
-                    continue
-                self.peers[rank] = peer
+                else:
+                    self.peers[rank] = peer
         except socket.timeout:
             missing = sorted(set(range(1, self.size)) - set(self.peers))
             raise GroupError(f"ranks {missing} did not reach rank 0 at {host}:{port} within {timeout:.0f} s")
         finally:
             server.close()
         return secret
+
+    def _hello(self, peer: "_Peer", secret: int, timeout: float) -> Optional[int]:
+        """The rank a new connection says it is, if it knows the group's secret."""
+        peer.sock.settimeout(timeout)
+        try:
+            hello = peer.read()
+        except (OSError, ValueError):
+            return None
+        peer.sock.settimeout(None)
+        if not isinstance(hello, dict):
+            return None
+        rank = hello.get("rank")
+        return rank if hello.get("secret") == secret and rank in range(1, self.size) else None
 
     # ---- background threads --------------------------------------------------------------------
 
@@ -212,7 +222,7 @@ class _Peer:
     """One connection: length-prefixed JSON messages; writes from several threads."""
 
     def __init__(self, sock: socket.socket):
-        sock.settimeout(None)
+        sock.settimeout(None)  # blocking: the watchdog, not a timeout, notices a silent peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.lock = threading.Lock()

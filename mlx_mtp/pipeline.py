@@ -219,7 +219,7 @@ class Leader(Stage):
             if self._stepping:  # this thread left a step by an exception
                 self.group.fail("a generation step on rank 0 was interrupted; the ranks are out of step")
             if self._forgotten:
-                gone, self._forgotten = self._forgotten, []
+                gone = [self._forgotten.pop() for _ in range(len(self._forgotten))]  # finalizers may append
                 lists = {k: [i for kind, i in gone if kind == k] for k in ("gens", "caches")}
                 self.group.send({"call": "forget", **lists})
             self.group.send(message)
@@ -228,9 +228,10 @@ class Leader(Stage):
         if gen.proposer is not None and not isinstance(gen.proposer, DraftsFromLast):
             raise GroupError("in a pipeline group only the group's own drafter (pipeline.load) can draft")
         fixed = gen.policy.fixed
-        gen_id = next(self._ids)
-        self._tell({"call": "new", "gen": gen_id, "mtp": gen.proposer is not None,
-                    "draft_tokens": "auto" if fixed is None else fixed, "prefill_chunk": gen.prefill_chunk})
+        with self._turn:  # numbered in the order the other ranks hear of them
+            gen_id = next(self._ids)
+            self._tell({"call": "new", "gen": gen_id, "mtp": gen.proposer is not None,
+                        "draft_tokens": "auto" if fixed is None else fixed, "prefill_chunk": gen.prefill_chunk})
         self._gens[gen] = gen_id
         weakref.finalize(gen, self._forgotten.append, ("gens", gen_id))
 
@@ -254,6 +255,8 @@ class Leader(Stage):
             self._stepping, self.group.busy_since = True, time.monotonic()
 
     def stepped(self, gen) -> None:
+        if not gen.busy:
+            _drain()
         self._stepping, self.group.busy_since = False, None
         self._turn.release()
 
@@ -270,6 +273,7 @@ class Leader(Stage):
 
     def done(self) -> None:
         """This model is done: the other ranks return from `follow`."""
+        _drain()
         self._tell({"call": "done"})
 
 
@@ -319,7 +323,7 @@ class Follower(Stage):
         while True:
             message = self.group.receive()
             if message["call"] == "done":
-                return
+                return _drain()
             try:
                 self._repeat(message, loaded)
             except Exception as e:
@@ -340,7 +344,10 @@ class Follower(Stage):
             self._insert(self._gens[message["gen"]], message)
         elif call == "step":
             self.group.busy_since = time.monotonic()
-            self._gens[message["gen"]].step()
+            gen = self._gens[message["gen"]]
+            gen.step()
+            if not gen.busy:
+                _drain()
             self.group.busy_since = None
         elif call in ("cancel", "remove"):
             getattr(self._gens[message["gen"]], call)(*message["args"])
@@ -382,6 +389,13 @@ class Follower(Stage):
                 del self._continued[key]
         for key in caches:
             self._kept.pop(key, None)
+
+
+def _drain() -> None:
+    """Wait for this thread's queued work: the driver queues one round past the last it reads, and
+    its messages must not outlive the peer's process. Every rank drains at the same step."""
+    for device in {mx.cpu, mx.default_device()}:
+        mx.synchronize(device)
 
 
 # ---- loading -----------------------------------------------------------------------------------
