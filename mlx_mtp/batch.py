@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import secrets
 import time
 from typing import Optional, Sequence, Union
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from .cache import KVCache, Snapshot
 from .drafters import as_proposer
+from .lockstep import ALONE, Lockstep
 from .models.base import TargetModel
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
 from .speculative import K_MAX, MAX_ROLLBACK, BatchState, Plan, RoundOutput, check_draft_tokens, policy_for, run_round
@@ -129,6 +129,8 @@ class BatchGenerator:
         self._cancelled: list[_Row] = []
         self._uids = 0
         self._last_read: Optional[float] = None
+        self.lockstep: Lockstep = getattr(target, "pipeline", None) or ALONE  # ranks of a pipeline group
+        self.lockstep.made(self)
 
     @property
     def busy(self) -> bool:
@@ -180,12 +182,15 @@ class BatchGenerator:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens (plus {start} in the cache) does not fit the model's context "
                 f"of {self.limit} tokens")
-        uid, self._uids = self._uids, self._uids + 1
-        row = _Row(uid, ids, int(max_tokens), sampling, _seed(seed), seed is not None, frozenset(stop_ids),
+        uid = self._uids
+        value = _seed(seed) if seed is not None else self.lockstep.seed(self, uid)
+        row = _Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, keep_cache, snapshot, cache, start)
         row.stats = stats if stats is not None else row.stats
         if context is not None and len(context) == start:
             row.context = list(context)
+        self.lockstep.inserting(self, row)
+        self._uids += 1
         self.pending.append(row)
         return uid
 
@@ -205,6 +210,10 @@ class BatchGenerator:
 
     def cancel(self, uid: int) -> None:
         """Stop a row; the next `step()` reports it with finish_reason "cancelled"."""
+        self.lockstep.called(self, "cancel", uid)
+        self._cancel(uid)
+
+    def _cancel(self, uid: int) -> None:
         row = self._find(uid)
         if row is None or row.finish_reason is not None:
             return
@@ -222,7 +231,8 @@ class BatchGenerator:
             taken: how many of its tokens the consumer took, when it stopped part way through
                 a step's tokens; the cache then ends with those.
         """
-        self.cancel(uid)
+        self.lockstep.called(self, "remove", uid, taken)
+        self._cancel(uid)
         row = self._find(uid)
         if row is None:
             return None
@@ -248,6 +258,7 @@ class BatchGenerator:
         """Retire finished rows, prefill one chunk, queue the next round, and return the
         tokens of the round queued by the previous call (and new rows' first tokens)."""
         mark_mlx_thread()
+        self.lockstep.called(self, "step")
         events = [RowEvent(r.uid, [], [], r.finish_reason, r.stats) for r in self._cancelled]
         self._cancelled = []
         self._retire()
@@ -258,17 +269,19 @@ class BatchGenerator:
         self._inflight = launched
         if launched is None:
             self._last_read = None
+        self.lockstep.stepped(self)
         return events
 
     def _launch(self, after_prefill: bool) -> _Inflight:
         rows = self.rows
-        k = self.policy.choose(len(rows)) if any(r.draft == "auto" for r in rows) else 0
+        auto = any(r.draft == "auto" for r in rows)
+        k = self.lockstep.draft_tokens(self, lambda: self.policy.choose(len(rows))) if auto else 0
         plan = Plan(tuple(r.params for r in rows), tuple(self._row_k(r, k) for r in rows))
         if self.state.history is not None:  # room for this round's tokens
             needed = int(self.cache.bound.max()) + plan.k + 2
             if needed > self.state.history.shape[1]:
                 self.state.history = _widen(self.state.history, needed + 256)
-        self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan)
+        self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan, self.lockstep.share)
         mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset)
         return _Inflight(out, list(rows), plan, after_prefill)
 
@@ -355,11 +368,14 @@ class BatchGenerator:
             return True
         self.pending.popleft()
         seeds = mx.array([row.seed], dtype=mx.uint32)
-        logits = out.logits[:, -1]
-        if row.params.greedy:
-            first = mx.argmax(logits, axis=-1).astype(mx.int32)
-        else:
-            first = sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE))
+
+        def decide():
+            logits = out.logits[:, -1]
+            if row.params.greedy:
+                return (mx.argmax(logits, axis=-1).astype(mx.int32),)
+            return (sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
+
+        (first,) = self.lockstep.share(decide, [(1,)])
         if row.want_snapshot:
             row.snapshot = row.cache.snapshot()
         history = None
@@ -436,6 +452,7 @@ class BatchGenerator:
             cache.truncate([row.length])  # undo what was queued past the tokens handed out
             row.cache = cache
             self._gone[row.uid] = row
+            self.lockstep.kept(self, row)
 
 
 def _widen(history: mx.array, width: int) -> mx.array:
@@ -446,9 +463,7 @@ def _widen(history: mx.array, width: int) -> mx.array:
     return mx.concatenate([history, mx.full((history.shape[0], extra), -1, dtype=mx.int32)], axis=1)
 
 
-def _seed(seed: Optional[int]) -> int:
-    if seed is None:
-        return secrets.randbits(32)
+def _seed(seed: int) -> int:
     if int(seed) != seed:
         raise ValueError(f"seed must be an int, got {seed!r}")
     return int(seed) % 2**32

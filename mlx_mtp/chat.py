@@ -20,10 +20,12 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
+from . import pipeline
 from .cli import prog_name
 from .conversation import Conversation
 from .generate import ContextLengthError, Event, stream_generate
-from .loading import load
+from .group import Group, launched
+from .loading import Loaded, load
 from .sample import SamplingParams
 from .speculative import K_MAX
 from .stats import Stats
@@ -103,8 +105,9 @@ def demo_pair() -> tuple[Path, Optional[Path]]:
     return root / "target", (root / "drafter") if (root / "drafter").is_dir() else None
 
 
-def open_session(args) -> tuple[Union[Conversation, "Completion"], str]:
-    """Load the model; returns the conversation (a `Completion` with --raw) and a banner line."""
+def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, Union[Conversation, "Completion", None], str]:
+    """Load the model (this rank's part of it in a pipeline group); returns it, the conversation
+    (a `Completion` with --raw; None on a rank that only follows rank 0) and a banner line."""
     model, drafter, dtype = args.model, args.drafter, args.dtype
     what = f"model {model}"
     if model is None:
@@ -114,15 +117,21 @@ def open_session(args) -> tuple[Union[Conversation, "Completion"], str]:
         what = f"no --model: running the bundled demo pair in {model.parent}, a small model to try things out"
     if args.no_mtp:
         drafter = None
-    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None, ngram=args.ngram)
+    dtype = getattr(mx, dtype) if dtype else None
+    if group is None:
+        loaded = load(model, drafter, dtype=dtype, ngram=args.ngram)
+    else:
+        loaded = pipeline.load(model, drafter, dtype, group)
+    banner = f"{what}; {decoding(args, drafter)}"
+    if group is not None and not group.leader:
+        return loaded, None, banner
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: chat needs one")
-    banner = f"{what}; {decoding(args, drafter)}"
     if args.raw:
-        return Completion(loaded), f"{banner}; raw completion, no chat template"
+        return loaded, Completion(loaded), f"{banner}; raw completion, no chat template"
     if not getattr(loaded.tokenizer, "has_chat_template", True):
         raise ValueError(f"{model}'s tokenizer has no chat template; --raw completes plain text")
-    return Conversation(loaded, system=args.system), banner
+    return loaded, Conversation(loaded, system=args.system), banner
 
 
 def decoding(args, drafter) -> str:
@@ -267,15 +276,22 @@ def repl(conv: Conversation, options: dict, interactive: bool) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        group = launched()  # the ranks `mlx.launch` started together (pipeline parallelism), or None
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
-        conv, banner = open_session(args)
+        loaded, conv, banner = open_session(args, group)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    if group is None:
+        return talk(conv, args, sampling, banner)
+    print(loaded.target.pipeline.describe(), file=sys.stderr)
+    return pipeline.run(loaded, group, lambda: talk(conv, args, sampling, banner)) or 0
+
+
+def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int:
+    """Answer --prompt, or run the REPL."""
     options = dict(max_tokens=args.max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
-                   mtp=not args.no_mtp)
+                   mtp=not args.no_mtp, seed=args.seed)
     print(banner, file=sys.stderr)
     if args.prompt is not None:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -130,15 +130,26 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
     return BatchState(nxt, hidden, state.seeds, history), RoundOutput(emitted, n, limit)
 
 
+def here(decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:
+    """Where a decision is made and who gets it, in one process: here, for everyone. (Under
+    pipeline parallelism the rank holding the logits decides and tells the others.)"""
+    return decide()
+
+
 def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache, state: BatchState,
-              plan: Plan) -> tuple[BatchState, RoundOutput]:
+              plan: Plan, share: Callable = here) -> tuple[BatchState, RoundOutput]:
     """draft -> verify -> accept -> advance, for every row of the cache; nothing is evaluated."""
     base = cache.offset
     drafts = draft(proposer, state, cache, plan)
     out = verify(target, cache, state, drafts)
-    limit = counted(drafts, plan)
-    n, nxt = accept(drafts, out, plan, limit, state.seeds, base)
-    return advance(cache, out, drafts, n, nxt, limit, base, state)
+
+    def decide():
+        limit = counted(drafts, plan)
+        return (drafts.tokens, *accept(drafts, out, plan, limit, state.seeds, base), limit)
+
+    B, k = drafts.tokens.shape
+    tokens, n, nxt, limit = share(decide, [(B, k), (B,), (B,), (B,)])
+    return advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, limit, base, state)
 
 
 class DraftPolicy:

@@ -9,8 +9,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def python_blocks() -> list[str]:
+    """The blocks of the "Python API" section (Serve's need a server: tests/test_server.py runs them)."""
     text = (ROOT / "README.md").read_text()
-    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "OpenAI(" not in b]
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
 def test_readme_python_examples_run_in_a_fresh_process():

@@ -1,4 +1,4 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost} [options]` (speed by default).
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,pipeline} [options]` (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
 imported, so this module imports nothing that imports mlx until then.
@@ -82,6 +82,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
     t.add_argument("--seed", type=int, default=0, help="weights of the mid pair")
     t.set_defaults(repeats=7)
+
+    p = sub.add_parser("pipeline", help="1 process vs 2 local ranks (pipeline parallelism): tok/s, traffic per round")
+    common(p, "pipeline")
+    p.add_argument("--pair", default="tiny-dense", help="tiny-dense | tiny-moe (E2B-style pairs cannot be split)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--k", type=int, default=3, help="draft length of the MTP mode")
     return ap
 
 
@@ -108,6 +115,10 @@ def main(argv=None) -> int:
         from .speed import run_oracle
 
         res = run_oracle(args, log)
+    elif args.command == "pipeline":
+        from .pipeline import run_pipeline_bench
+
+        res = run_pipeline_bench(args, log)
     elif args.command == "experts":
         from .experts import run_experts
 

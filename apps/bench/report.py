@@ -89,6 +89,8 @@ def render(results: list[dict], info: dict) -> str:
             from .cost import cost_md as render_one
         elif res["mode"] == "stepcost":
             from .stepcost import stepcost_md as render_one
+        elif res["mode"] == "pipeline":
+            from .pipeline import markdown as render_one
         else:
             render_one = {"speed": speed_md, "oracle": oracle_md}[res["mode"]]
         parts.append(render_one(res))

@@ -83,6 +83,7 @@ class TargetModel(Protocol):
 
     vocab_size: int
     config: Any  # read for max_position_embeddings
+    pipeline: Any  # None, or this process's pipeline stage, which also keeps the ranks' drivers in step
 
     def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, keep: Optional[int] = None) -> TargetOutput:
         """Forward after what `cache` holds; `keep`: outputs wanted only for the last `keep` positions."""

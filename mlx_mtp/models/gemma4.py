@@ -351,6 +351,7 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sources = {cfg.kv_source(i) for i in range(cfg.first_shared_layer, cfg.num_hidden_layers)}
+        self.pipeline = None  # this process's pipeline stage (mlx_mtp.pipeline.Stage); None: all layers here
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
             self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * P)
@@ -369,16 +370,23 @@ class TextModel(nn.Module):
         ctx = self.per_layer_projection_norm(ctx.reshape(shape))
         return (ctx + tok) * (2.0**-0.5)
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """The layers this process computes: all of them, or its pipeline stage's."""
+        return (0, self.cfg.num_hidden_layers) if self.pipeline is None else self.pipeline.span
+
     def __call__(self, ids: mx.array, cache: KVCache, keep: Optional[int] = None) -> Optional[mx.array]:
-        """Hidden states (B, L, H), or only the last `keep` positions' (None for keep=0)."""
+        """Hidden states (B, L, H), or only the last `keep` positions' (None for keep=0). A
+        pipeline stage before the last hands its output to the next rank and returns None."""
         cfg = self.cfg
-        L = ids.shape[1]
+        B, L = ids.shape
         step = cache.begin(L)
-        x = self.embed(ids)
+        first, end = self.span
+        x = self.embed(ids) if first == 0 else self.pipeline.receive((B, L, cfg.hidden_size))
         ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
-        for i, layer in enumerate(self.layers):
-            src = cfg.kv_source(i)
+        for i in range(first, end):
+            layer, src = self.layers[i], cfg.kv_source(i)
             if i == cfg.first_shared_layer and keep is not None and keep < L:
                 # KV-shared layers store nothing: run them only where their output is used.
                 if keep == 0:
@@ -389,6 +397,9 @@ class TextModel(nn.Module):
             x, kv = layer(x, step, cache if src == i else None, kvs.get(src), pli)
             if src == i and i in self.sources:
                 kvs[i] = kv
+        if end < cfg.num_hidden_layers:
+            self.pipeline.send(x)
+            return None
         if keep is not None:
             if keep == 0:
                 return None
@@ -420,8 +431,37 @@ class Model(nn.Module):
         positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
         hidden = self.model(tokens, cache, keep)
+        if self.model.span[1] < self.config.num_hidden_layers:
+            return self._elsewhere(tokens.shape, keep)
         logits = None if hidden is None else self.logits(hidden)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def _elsewhere(self, shape: tuple[int, int], keep: Optional[int]) -> TargetOutput:
+        """An earlier pipeline stage's output: logits and hidden states live on the last rank.
+        Zeros stand in for the hidden state the driver carries (only the last rank's drafter reads it)."""
+        n = shape[1] if keep is None else keep
+        hidden = mx.zeros((shape[0], n, self.config.hidden_size), self.pipeline.dtype) if n else None
+        return TargetOutput(None, hidden, {})
+
+    @property
+    def pipeline(self):
+        """This process's pipeline stage (see `keep_stage`), or None."""
+        return self.model.pipeline
+
+    def keep_stage(self, stage) -> None:
+        """Become pipeline stage `stage` (duck-typed: `span`, `last`, `dtype`, `receive`, `send`):
+        keep only the weights it computes with (its layers; the embedding on the first rank and,
+        for the tied head and the drafter's input, on the last; the final norm and head on the
+        last) and pass activations to and from its neighbours."""
+        first, end = stage.span
+        m = self.model
+        m.layers = [layer if first <= i < end else None for i, layer in enumerate(m.layers)]
+        if first > 0 and not stage.last:
+            m.pop("embed_tokens")
+        if not stage.last:
+            m.pop("norm")
+            self.pop("lm_head", None)
+        m.pipeline = stage
 
     def shared_kv(self, cache: KVCache) -> dict:
         """Views of the store layers' K/V (last sliding, last full non-shared layer)."""

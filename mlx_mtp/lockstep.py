@@ -1,0 +1,71 @@
+"""The hooks that keep the processes of a pipeline-parallel group in step, as the one driver
+(`BatchGenerator`) calls them, and `ALONE`: a process running by itself, where they do nothing.
+
+Every rank of a group runs the same generator calls in the same order (SPMD). Rank 0 makes the
+host-side choices (which rows join, leave or are cancelled, the draft length) and tells the
+other ranks (`mlx_mtp.pipeline.Leader`); they repeat its calls (`Follower`). On the device, the
+rank that holds the logits makes each round's decision and shares it (`share`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Protocol, Sequence
+
+from .speculative import here
+
+
+class Lockstep(Protocol):
+    def made(self, gen) -> None:
+        """`gen` was just made (the other ranks make theirs)."""
+
+    def inserting(self, gen, row) -> None:
+        """`row` is about to join `gen`'s queue (the other ranks insert the same row)."""
+
+    def called(self, gen, call: str, *args) -> None:
+        """`gen.<call>(*args)` begins: "step", "cancel" or "remove"."""
+
+    def stepped(self, gen) -> None:
+        """`gen.step()` finished."""
+
+    def kept(self, gen, row) -> None:
+        """A finished row's cache (`row.cache`) is kept for `gen.remove`."""
+
+    def draft_tokens(self, gen, choose: Callable[[], int]) -> int:
+        """The round's draft length: `choose()` on rank 0, the same number everywhere."""
+
+    def share(self, decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:
+        """`decide()` (int32 arrays of these shapes) where the logits are, for every rank."""
+
+    def seed(self, gen, uid: int) -> int:
+        """A random seed for row `uid` inserted without one (the same one on every rank)."""
+
+
+class Alone:
+    """A process that generates by itself."""
+
+    def made(self, gen) -> None:
+        pass
+
+    def inserting(self, gen, row) -> None:
+        pass
+
+    def called(self, gen, call: str, *args) -> None:
+        pass
+
+    def stepped(self, gen) -> None:
+        pass
+
+    def kept(self, gen, row) -> None:
+        pass
+
+    def draft_tokens(self, gen, choose: Callable[[], int]) -> int:
+        return choose()
+
+    share = staticmethod(here)
+
+    def seed(self, gen, uid: int) -> int:
+        return secrets.randbits(32)
+
+
+ALONE = Alone()
