@@ -376,7 +376,7 @@ class Engine:
         blocked = False
         for item in self._waiting:
             key = item.conversation_id
-            if key is not None and key in busy or blocked and isinstance(item, RequestHandle):
+            if (key is not None and key in busy) or (blocked and isinstance(item, RequestHandle)):
                 still.append(item)
                 busy.add(key)
                 continue
@@ -423,11 +423,9 @@ class Engine:
                 conversation.end(turn, [], _give_back(turn))
             handle._finish(ErrorEvent(e))
             return True
-        if handle._start():
-            self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
-        else:  # cancelled meanwhile
+        self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
+        if not handle._start():  # cancelled meanwhile: its row ends at the next step
             self._gen.cancel(uid)
-            self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
         return True
 
     def _prompt(self, request: Request) -> list[int]:
