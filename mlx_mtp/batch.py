@@ -255,17 +255,21 @@ class BatchGenerator:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RowEvent]:
-        """Retire finished rows, prefill one chunk, queue the next round, and return the
-        tokens of the round queued by the previous call (and new rows' first tokens)."""
+        """Retire finished rows, prefill one chunk, queue the next round, and return new rows'
+        first tokens and the tokens of the round queued by the previous call."""
         mark_mlx_thread()
         self.lockstep.called(self, "step")
         events = [RowEvent(r.uid, [], [], r.finish_reason, r.stats) for r in self._cancelled]
         self._cancelled = []
         self._retire()
         prefilled = self._prefill_chunk()
+        first = self._read_first()
+        events += first
+        if first and self._inflight is None:  # nothing else runs: hand the first token out now
+            self.lockstep.stepped(self)
+            return events
         launched = self._launch(prefilled) if self.rows else None
         events += self._read(self._inflight, launched)
-        events += self._read_first()
         self._inflight = launched
         if launched is None:
             self._last_read = None

@@ -64,7 +64,7 @@ class _Write:
     slots: mx.array  # (B, count) slots receiving this forward's last `count` tokens
     count: int  # tokens written: all L, or the last C of a chunk longer than a ring of C slots
     concat: bool  # attend over the old slots plus the new K/V (a chunk longer than the ring allows)
-    view: slice  # slots returned to attention
+    view: slice  # slots returned to attention (with concat: the old slots, none for an empty cache)
     start: Optional[int] = None  # every row writes slots start .. start + count - 1: a plain slice
 
     def store(self, buf: mx.array, values: mx.array, axis: int) -> mx.array:
@@ -179,8 +179,9 @@ class KVCache:
         n = min(length, C)
         start = None if first is None or (first + length - n) % C + n > C else (first + length - n) % C
         if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
-            kpos = mx.concatenate([track.pos, positions], axis=1)
-            write = _Write(slots[:, length - n :], n, True, slice(0, C), start)
+            old = slice(0, 0) if end == length else slice(0, C)  # an empty cache has nothing older
+            kpos = mx.concatenate([track.pos[:, old], positions], axis=1)
+            write = _Write(slots[:, length - n :], n, True, old, start)
             track.pos = write.store(track.pos, positions[:, length - n :], axis=1)
             return write, _visible(kpos, positions, W)
         if single and length == 1 and end <= C:  # not wrapped yet: the window is a plain slice
@@ -201,7 +202,9 @@ class KVCache:
         new_k, new_v = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
         self.keys[layer] = write.store(buf_k, new_k, axis=2)
         self.values[layer] = write.store(buf_v, new_v, axis=2)
-        if write.concat:
+        if write.concat:  # the slots from before this forward, then its own K/V
+            if write.view.stop == 0:
+                return keys, values
             return mx.concatenate([buf_k, keys], axis=2), mx.concatenate([buf_v, values], axis=2)
         return self.keys[layer][:, :, write.view], self.values[layer][:, :, write.view]
 

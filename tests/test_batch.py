@@ -153,9 +153,9 @@ def test_a_long_prompt_is_prefilled_between_rounds():
     target, drafter = tiny_target("dense"), tiny_drafter("dense")
     gen = BatchGenerator(target, drafter, draft_tokens=2, prefill_chunk=16)
     short = prompts("dense", 1)[0]
-    first = gen.insert(short, max_tokens=200)
-    while not any(e.uid == first for e in gen.step()):
-        pass
+    first, streamed = gen.insert(short, max_tokens=200), 0
+    while streamed < 2:  # its first token, then its first round: it is streaming
+        streamed += sum(e.uid == first for e in gen.step())
     long_prompt = (reference("dense")["prompt"].tolist() * 15)[:300]
     second = gen.insert(long_prompt, max_tokens=5)
     steps_while_prefilling, out = 0, {first: [], second: []}
