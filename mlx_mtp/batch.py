@@ -365,6 +365,11 @@ class BatchGenerator:
         end = min(len(row.prompt), row.fed + self.prefill_chunk)
         last = end == len(row.prompt)
         ids = mx.array([row.prompt[row.fed : end]], dtype=mx.int32)
+        if last and ids.shape[1] > 1:
+            # The prompt's last token as a step of its own: the forward over the rest skips
+            # what only the last position needs (KV-shared layers, the head), and is faster so.
+            self.target(ids[:, :-1], row.cache, keep=0)
+            ids = ids[:, -1:]
         out = self.target(ids, row.cache, keep=1 if last else 0)
         row.fed = end
         if not last:

@@ -103,12 +103,13 @@ def two_ranks(args, out: Path) -> list[dict]:
 
 def per_round(ranks: list[dict], name: str, prompt_tokens: int) -> dict:
     """Device traffic of one verify round, both ranks together. Every shared decision is a round
-    or a prompt's first token; each prompt's prefill (its activations to rank 1, its first token
-    back) is taken off."""
+    or a prompt's first token; each prompt's prefill (its activations to rank 1, in two forwards:
+    all but the last token, then the last token; its first token back) is taken off."""
     lead = ranks[0][name]
     rounds = lead["decisions"] - lead["prefills"]
     prefill_bytes = lead["prefills"] * (prompt_tokens * ranks[0]["activation_bytes"] + 4)
-    messages = sum(r[name]["messages"] for r in ranks) - 2 * lead["prefills"]
+    prefill_messages = 3 if prompt_tokens > 1 else 2
+    messages = sum(r[name]["messages"] for r in ranks) - prefill_messages * lead["prefills"]
     sent = sum(r[name]["bytes"] for r in ranks) - prefill_bytes
     return dict(rounds=rounds, messages=messages / rounds, bytes=sent / rounds,
                 control=lead["control"] / rounds)
