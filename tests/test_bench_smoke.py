@@ -121,8 +121,9 @@ def test_hosttime_mode_on_tiny_dense(tmp_path):
     for r in res["rows"]:
         assert r["wall_ms"] > 0 and r["device_ms"] > 0 and r["exposed_ms"] is not None
         assert r["nodes_per_round"] > 10 and r["nodes_per_token"] > 0
-    from apps.bench.hosttime import graph_nodes
     import mlx.core as mx
+
+    from apps.bench.hosttime import graph_nodes
 
     a = mx.ones((2, 2))
     assert graph_nodes((a @ a + 1).sum()) >= 3

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from . import regime
 
-
 # subcommand -> (module of apps.bench, function(args, log) -> result dict)
 MODES = {
     "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),

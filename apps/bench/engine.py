@@ -16,12 +16,12 @@ ratios are medians of within-repeat ratios.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
-import io
 import threading
 import time
 from pathlib import Path

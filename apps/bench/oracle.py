@@ -34,7 +34,7 @@ from mlx_mtp.sample import uniform
 from mlx_mtp.speculative import K_MAX, MAX_ROLLBACK, Drafts
 
 from .env import median
-from .pairs import ROOT, build, load_pair, n_params
+from .pairs import ROOT, build, load_pair
 from .report import fmt, table
 
 _RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.oracle uses
