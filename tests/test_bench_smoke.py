@@ -1,6 +1,8 @@
-"""Smoke test of `python -m apps.bench` on the tiny fixtures: smallest settings, < 30 s."""
+"""Smoke tests of `python -m apps.bench`: smallest settings, a few seconds per mode."""
 
 import json
+
+import pytest
 
 from apps.bench.cli import main
 
@@ -42,3 +44,101 @@ def test_cost_mode_on_a_tiny_shape(tmp_path):
     assert set(shape["forward_ms"]) == {"1", "2"}  # JSON keys
     assert shape["drafter_ms"] and shape["projection"]["speedup"]["1@1"] > 0
     assert "PROJECTION" in (out / "results.md").read_text()
+
+
+def _results(out):
+    data = json.loads((out / "results.json").read_text())
+    res = data["results"][0]
+    assert res["loadavg"]["start"] and res["command"].startswith("python -m apps.bench")
+    md = (out / "results.md").read_text()
+    assert res["command"] in md and "Regime: " in md and "Load average" in md
+    return res, md
+
+
+def test_speed_mode_prompts_and_dtype(tmp_path):
+    out = tmp_path / "speed"
+    rc = main(["speed", "--pair", "tiny-dense", "--batch", "1", "--k", "2", "--tokens", "6", "--repeats", "1",
+               "--classes", "fixture", "--prompts", "2", "--dtype", "float32", "--mlxlm-draft", "none",
+               "--out", str(out)])
+    assert rc == 0
+    res, _ = _results(out)
+    assert res["prompts"] == 2 and res["mismatches"] == []
+    assert {r["mode"] for r in res["rows"]} == {"ours-plain", "ours-mtp-2", "mlx-lm-plain"}
+    for r in res["rows"]:  # two prompts of 6 tokens each, every output equal to plain greedy
+        assert r["tokens"] == 12 and len(r["prompt_tokens"]) == 2 and r["same_output"], r
+
+
+def test_engine_mode_on_tiny_dense(tmp_path):
+    out = tmp_path / "engine"
+    rc = main(["engine", "--pair", "tiny-dense", "--clients", "1,2", "--fifo-clients", "2", "--max-tokens", "6",
+               "--repeats", "1", "--old-commit", "none", "--out", str(out)])
+    assert rc == 0
+    res, md = _results(out)
+    pair = res["pairs"][0]
+    assert pair["mismatches"] == []  # every request equals its plain greedy output
+    keys = {r["key"] for r in pair["rows"]}
+    assert {"mb2-n1-mtp", "mb2-n2-mtp", "mb1-n2-mtp", "gen-n1-mtp", "mb2-n2-plain", "mb1-n2-plain"} <= keys
+    for r in pair["rows"]:
+        for key in ("aggregate_tps", "per_request_tps", "decode_tps", "ttft_p50_ms", "ttft_p95_ms"):
+            assert r[key] > 0, (key, r)
+    assert pair["ratios"]["batch_vs_fifo_mtp"] > 0 and pair["ratios"]["mtp_vs_plain_n2"] > 0
+    assert "max_batch=1" in md
+
+
+def test_oracle_mode_on_tiny_dense(tmp_path):
+    out = tmp_path / "oracle"
+    rc = main(["oracle", "--pair", "tiny-dense", "--batch", "1,2", "--k", "2,auto", "--tokens", "8", "--repeats", "1",
+               "--out", str(out)])
+    assert rc == 0
+    res, _ = _results(out)
+    pair = res["pairs"][0]
+    assert pair["mismatches"] == []  # the oracle's rows equal plain greedy, every B and K
+    modes = {(r["batch"], r["mode"]) for r in pair["rows"]}
+    assert {(1, "plain"), (2, "oracle-0.8-K2"), (2, "oracle-0.8-Kauto"), (1, "random-auto")} <= modes
+    k2 = next(r for r in pair["rows"] if r["batch"] == 1 and r["mode"] == "oracle-0.8-K2")
+    assert k2["speedup_vs_plain"] > 0 and k2["round_in_plain_steps"] > 0 and k2["acceptance_length"] >= 1
+    assert k2["expected_tokens"] == 1 + 0.8 + 0.8 ** 2
+    assert pair["summary"]["p0.8@2"]["best_k"] == 2 and pair["summary"]["random@1"] > 0
+
+
+def test_lookup_mode_on_the_demo_pair(tmp_path):
+    out = tmp_path / "lookup"
+    rc = main(["lookup", "--files", "1", "--lines", "12", "--tokens", "10", "--k", "4", "--out", str(out)])
+    assert rc == 0
+    res, _ = _results(out)
+    assert res["mismatches"] == []  # n-gram, MTP and hybrid outputs equal plain greedy
+    assert {r["mode"] for r in res["rows"]} == {"plain", "ngram-4", "mtp-4", "hybrid-4"}
+    assert all(r["tokens_per_forward"] >= 1.0 for r in res["rows"])
+    assert "renamed to" in res["example"]
+
+
+def test_hosttime_mode_on_tiny_dense(tmp_path):
+    out = tmp_path / "hosttime"
+    rc = main(["hosttime", "--pair", "tiny-dense", "--k", "2,0", "--rounds", "4", "--repeats", "1",
+               "--out", str(out)])
+    assert rc == 0
+    res, _ = _results(out)
+    for r in res["rows"]:
+        assert r["wall_ms"] > 0 and r["device_ms"] > 0 and r["exposed_ms"] is not None
+        assert r["nodes_per_round"] > 10 and r["nodes_per_token"] > 0
+    import mlx.core as mx
+
+    from apps.bench.hosttime import graph_nodes
+
+    a = mx.ones((2, 2))
+    assert graph_nodes((a @ a + 1).sum()) >= 3
+
+
+def test_ttft_mode_against_mlx_vlm(tmp_path, monkeypatch):
+    pytest.importorskip("mlx_vlm")  # optional, bench only (pip install mlx-vlm)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "ttft"
+    rc = main(["ttft", "--models", "e2b", "--e2b-hidden", "64", "--lengths", "16,40", "--repeats", "1",
+               "--out", str(out)])
+    assert rc == 0
+    res, _ = _results(out)
+    rows = res["models"][0]["rows"]
+    assert [r["length"] for r in rows] == [16, 40]
+    for r in rows:
+        assert r["same_first_token"] and r["ours_ms"] > 0 and r["vlm_ms"] > 0
+        assert r["logits_max_abs_diff"] < 1e-2 * max(r["logits_scale"], 1.0)

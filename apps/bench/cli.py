@@ -1,4 +1,5 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,pipeline} [options]` (speed by default).
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline} [options]`
+(speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
 imported, so this module imports nothing that imports mlx until then.
@@ -7,11 +8,21 @@ imported, so this module imports nothing that imports mlx until then.
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import shlex
 import sys
 from pathlib import Path
 
 from . import regime
+
+# subcommand -> (module of apps.bench, function(args, log) -> result dict)
+MODES = {
+    "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),
+    "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
+    "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
+    "pipeline": ("pipeline", "run_pipeline_bench"),
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,15 +46,28 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=64, help="new tokens per row")
     s.add_argument("--classes", help="prompt classes (code,prose,chat with a tokenizer; fixture,random,repeat without)")
     s.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx-lm baselines")
+    s.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"),
+                   help="compute dtype of ours and mlx-lm alike (fp32 matmuls are what the regimes change)")
+    s.add_argument("--prompts", type=int, default=1, help="at B=1, run this many prompts of each class in turn "
+                                                          "(their tokens and times summed)")
     s.add_argument("--mlxlm-draft", help="mlx-lm speculative draft model: DIR, 'self' (the target; default for "
                                          "tokenizer-less tiny pairs) or 'none'")
 
-    o = sub.add_parser("oracle", help="controlled-acceptance drafter on the tiny pairs (old bench_mtp)")
+    o = sub.add_parser("oracle", help="controlled-acceptance (oracle) drafter paying a real drafter's cost: MTP/plain "
+                                      "and round cost for K sweeps at B rows; the random drafter with auto")
     common(o, "oracle")
-    o.add_argument("--variants", default="dense,moe,e2b")
-    o.add_argument("--tokens", type=int, default=200)
-    o.add_argument("--k", type=int, default=4, help="draft length of the oracle runs")
-    o.set_defaults(repeats=5)
+    o.add_argument("--pair", default="mid", help="mid (default; ~313M-param target built in-process) | demo | "
+                                                 "tiny-dense | tiny-moe | tiny-e2b (comma list)")
+    o.add_argument("--batch", help="rows (default 1,4,8; 1 in the stock regime, where B=4,8 of the mid pair take "
+                                   "~20 min)")
+    o.add_argument("--k", default="1,2,3,4,5,6,auto", help="draft lengths (ints and/or auto)")
+    o.add_argument("--p", default="0.8", help="oracle probabilities that a draft is right (comma list)")
+    o.add_argument("--tokens", type=int, default=32, help="new tokens per row")
+    o.add_argument("--context", type=int, default=64, help="prompt tokens per row")
+    o.add_argument("--seed", type=int, default=0, help="weights of the mid pair; oracle seed of repeat r is seed + r")
+    o.add_argument("--no-random", action="store_true", help="skip the random-drafter auto check")
+    o.add_argument("--quick", action="store_true", help="B=1, K=2,auto, 12 tokens, 1 repeat")
+    o.set_defaults(repeats=3)
 
     e = sub.add_parser("experts", help="MoE expert union per verify forward; sorted-indices path")
     common(e, "experts")
@@ -81,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--k", default="1,2,3,4,5,6", help="draft lengths for the round cost")
     t.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
     t.add_argument("--seed", type=int, default=0, help="weights of the mid pair")
+    t.add_argument("--dtype", default="float32", choices=("stored", "float32", "bfloat16"),
+                   help="compute dtype (the demo pair is stored in bf16, as the Engine loads it)")
     t.set_defaults(repeats=7)
 
     p = sub.add_parser("pipeline", help="1 process vs 2 local ranks (pipeline parallelism): tok/s, traffic per round")
@@ -89,6 +115,49 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--k", type=int, default=3, help="draft length of the MTP mode")
+
+    g = sub.add_parser("engine", help="the Engine under N concurrent requests: aggregate/per-request tok/s, TTFT, "
+                                      "MTP on/off, max_batch=1 and the old single-request driver (issue 10)")
+    common(g, "engine")
+    g.add_argument("--pair", default="demo,tiny-moe", help="comma list of demo, tiny-dense, tiny-moe, tiny-e2b "
+                                                           "(loaded as stored: the demo pair in bf16)")
+    g.add_argument("--clients", default="1,2,4,8", help="concurrent requests N (the batched engine's max_batch "
+                                                        "is the largest)")
+    g.add_argument("--fifo-clients", type=int, default=8, help="N for the max_batch=1 baseline (0: none)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    g.add_argument("--old-commit", default="4491006", help="commit of the single-request driver, or 'none'")
+    g.add_argument("--quick", action="store_true", help="N=1,8, 24 tokens, 1 repeat")
+
+    f = sub.add_parser("ttft", help="time to first token vs mlx-vlm on the same checkpoint and prompts")
+    common(f, "ttft")
+    f.add_argument("--models", default="demo,e2b", help="demo (as stored, bf16) and/or e2b (an E2B-shaped random "
+                                                        "checkpoint: 35 layers, 20 KV-shared, width scaled down)")
+    f.add_argument("--lengths", default="64,112,200,1000", help="prompt lengths in tokens")
+    f.add_argument("--e2b-hidden", type=int, default=128, help="hidden size of the E2B-shaped model (E2B: 1536)")
+    f.add_argument("--quick", action="store_true", help="demo only, lengths 64,200, 2 repeats")
+    f.set_defaults(repeats=5)
+
+    u = sub.add_parser("lookup", help="prompt lookup: rewrite-a-file prompts from held-out stdlib files; tokens "
+                                      "per target forward with n-gram, MTP and hybrid drafting")
+    common(u, "lookup")
+    u.add_argument("--files", type=int, default=6, help="held-out stdlib files (one prompt each)")
+    u.add_argument("--lines", type=int, default=40, help="lines of each file in the prompt")
+    u.add_argument("--tokens", type=int, default=160, help="new tokens per prompt")
+    u.add_argument("--k", default="6,auto", help="draft lengths (ints and/or auto)")
+    u.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
+    u.add_argument("--quick", action="store_true", help="2 files, 48 tokens, K=6")
+    u.set_defaults(repeats=1)
+
+    h = sub.add_parser("hosttime", help="exposed host time per round of the pipelined driver vs the same rounds' "
+                                        "device-only time; graph nodes per token")
+    common(h, "hosttime")
+    h.add_argument("--pair", default="demo", help="demo | tiny-dense | tiny-moe | tiny-e2b")
+    h.add_argument("--k", default="3,0", help="fixed draft lengths (0: plain decoding)")
+    h.add_argument("--rounds", type=int, default=40, help="rounds timed per repeat")
+    h.add_argument("--batch", type=int, default=1)
+    h.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
+    h.add_argument("--quick", action="store_true", help="12 rounds, 1 repeat")
+    h.set_defaults(repeats=5)
     return ap
 
 
@@ -107,30 +176,10 @@ def main(argv=None) -> int:
     info = device_info()
     print(device_line(info), flush=True)
     log = lambda msg: print(msg, flush=True)
-    if args.command == "speed":
-        from .speed import run_speed
-
-        res = run_speed(args, log)
-    elif args.command == "oracle":
-        from .speed import run_oracle
-
-        res = run_oracle(args, log)
-    elif args.command == "pipeline":
-        from .pipeline import run_pipeline_bench
-
-        res = run_pipeline_bench(args, log)
-    elif args.command == "experts":
-        from .experts import run_experts
-
-        res = run_experts(args, log)
-    elif args.command == "cost":
-        from .cost import run_cost
-
-        res = run_cost(args, log)
-    else:
-        from .stepcost import run_stepcost
-
-        res = run_stepcost(args, log)
+    load_before = os.getloadavg()
+    module, function = MODES[args.command]
+    res = getattr(importlib.import_module(f"apps.bench.{module}"), function)(args, log)
+    res["loadavg"] = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]}
     res["regime"] = info["regime"]
     res["command"] = shlex.join(["python", "-m", "apps.bench", *argv])
     from .report import write

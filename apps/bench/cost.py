@@ -26,7 +26,7 @@ from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import SharedKV
 
 from .env import peak_mb, reset_peak, time_fn
-from .report import fmt, pivot, regime_note, table
+from .report import fmt, pivot, table
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "real_configs"
@@ -327,7 +327,7 @@ def cost_md(res: dict) -> str:
     for s in res["shapes"]:
         sizes = s["sizes"]
         out += [f"## Real-shape cost: {s['shape']} ({s['config']}), {s['bits_label']}, random weights, "
-                f"regime {res['regime']['name']}", "", regime_note(res), "",
+                f"regime {res['regime']['name']}", "",
                 f"Measured: {s['copies_timed']} chained instance(s) of each layer kind, one row of T query tokens over "
                 f"a context of {s['context']} cached tokens (sliding layers: up to the window), median of "
                 f"{res['repeats']}; the tied {s['vocab']}-row head separately. Derived (not measured as a whole): a full "

@@ -17,7 +17,7 @@ from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
 
 from .env import median, time_fn
-from .report import fmt, regime_note, table
+from .report import fmt, table
 from .speed import TINY
 
 
@@ -139,7 +139,7 @@ def run_experts(args, log=print) -> dict:
 
 def experts_md(res: dict) -> str:
     out = [f"## MoE expert union: {res['model']} ({res['experts']} experts, top-{res['top_k']}, "
-           f"{res['layers']} MoE layers), regime {res['regime']['name']}", "", regime_note(res), "",
+           f"{res['layers']} MoE layers), regime {res['regime']['name']}", "",
            "Measured during real batched MTP generation (BatchGenerator, greedy; K=0 is plain decoding): per verify "
            "forward, the number of distinct experts each layer's router selected over all B x (K+1) tokens, mean "
            "over layers and rounds. 'uniform' is what independent uniformly random routing would touch. Time per "

@@ -68,19 +68,23 @@ def n_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def load_pair(name: str, seed: int = 0) -> tuple:
-    """(target, drafter, description) in fp32."""
+def load_pair(name: str, seed: int = 0, dtype=mx.float32) -> tuple:
+    """(target, drafter, description), in fp32 unless `dtype` says otherwise (None: as stored)."""
     started = time.perf_counter()
     if name == "mid":
         target, drafter = mid_pair(seed)
+        if dtype is not None and dtype != mx.float32:
+            target.set_dtype(dtype)
+            drafter.set_dtype(dtype)
         source = f"built in-process, random weights (seed {seed})"
     elif name in ("demo", "tiny"):
         base = ROOT / "mlx_mtp" / "demo" if name == "demo" else ROOT / "tests" / "fixtures" / "tiny" / "dense"
-        target = load_model(base / "target", dtype=mx.float32)[0]
-        drafter = load_model(base / "drafter", dtype=mx.float32)[0]
+        target = load_model(base / "target", dtype=dtype)[0]
+        drafter = load_model(base / "drafter", dtype=dtype)[0]
         source = str(base.relative_to(ROOT))
     else:
         raise SystemExit(f"unknown pair {name!r} ({', '.join(PAIRS)})")
     nt, nd = n_params(target), n_params(drafter)
-    return target, drafter, (f"{name} pair ({source}; fp32; target {nt / 1e6:.1f}M params, drafter {nd / 1e6:.2f}M "
+    kind = str(target.model.embed_tokens.weight.dtype).replace("mlx.core.", "")
+    return target, drafter, (f"{name} pair ({source}; {kind}; target {nt / 1e6:.1f}M params, drafter {nd / 1e6:.2f}M "
                              f"= {100 * nd / nt:.1f}%; ready in {time.perf_counter() - started:.1f} s)")

@@ -137,7 +137,7 @@ def run_pipeline_bench(args, log) -> dict:
                 note="local loopback only: two ranks on one machine's shared cores")
 
 
-def markdown(res: dict) -> str:
+def pipeline_md(res: dict) -> str:
     what = f"{res['pair']}, B={res['batch']}, {res['tokens']} tokens"
     lines = [f"## pipeline: 1 process vs 2 local ranks ({what})", "",
              "LOCAL LOOPBACK ONLY (both ranks on this machine's cores, talking over 127.0.0.1).", "",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -37,11 +39,12 @@ def regime_note(res: dict) -> str:
 
 def speed_md(res: dict) -> str:
     out = [f"## Speed: {res['pair']} ({res['quantization']}), regime {res['regime']['name']}", "",
-           regime_note(res), "",
            f"Measured. {res['tokens']} new tokens per row, greedy, stop tokens ignored, warm-up excluded, "
            f"median of {res['repeats']} interleaved repeats; speed-up = decode tok/s over ours-plain at the same B "
            f"and prompt class, median of within-repeat ratios. B = 1 uses `generate_tokens`, B > 1 `BatchGenerator` "
-           f"(aggregate tok/s = all rows' tokens / wall, prefill included).", ""]
+           f"(aggregate tok/s = all rows' tokens / wall, prefill included)."
+           + (f" At B = 1 each run is {res['prompts']} prompts of the class in turn (tokens and times summed)."
+              if res.get("prompts", 1) > 1 else ""), ""]
     for note in res["notes"]:
         out.append(f"- {note}")
     if res["mismatches"]:
@@ -64,36 +67,36 @@ def speed_md(res: dict) -> str:
     return "\n".join(out)
 
 
-def oracle_md(res: dict) -> str:
-    out = [f"## Oracle drafter (controlled acceptance), tiny pairs, regime {res['regime']['name']}", "",
-           regime_note(res), "",
-           f"Measured. {res['tokens']} tokens, oracle K={res['k']}, median of {res['repeats']} interleaved repeats. "
-           "oracle-P: the real drafter's cost, the target's true continuation proposed with probability P. "
-           "Tiny models are dispatch-bound: this shows the loop's overheads and gains, not real-model speed.", ""]
-    if res["mismatches"]:
-        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
-    rows = [[r["variant"], r["mode"], fmt(r["speedup_vs_plain"]) + "x", fmt(r["tokens_per_forward"]),
-             fmt(r["acceptance_length"]), " ".join(f"{a:.2f}" for a in r["acceptance_at"]) or "-",
-             r["mtp_rounds"], r["plain_steps"]] for r in res["rows"]]
-    out += [table(["variant", "mode", "speed vs plain", "tokens / target forward", "acceptance length",
-                   "per-position acceptance", "rounds", "plain steps"], rows), ""]
-    return "\n".join(out)
+# mode -> (module of apps.bench, markdown function); speed's lives here
+RENDER = {"experts": "experts", "cost": "cost", "stepcost": "stepcost", "oracle": "oracle", "engine": "engine",
+          "ttft": "ttft", "lookup": "lookup", "hosttime": "hosttime", "pipeline": "pipeline"}
+
+
+def header(res: dict) -> list[str]:
+    """The command, the regime and the machine's load around the run."""
+    out = []
+    if res.get("command"):
+        out += [f"`{res['command']}`", ""]
+    if res.get("regime"):
+        out += [regime_note(res), ""]
+    load = res.get("loadavg")
+    if load:
+        out += [f"Load average (1/5/15 min) of this {os.cpu_count()}-core machine: "
+                f"{' / '.join(f'{x:.2f}' for x in load['start'])} at the start, "
+                f"{' / '.join(f'{x:.2f}' for x in load['end'])} at the end.", ""]
+    return out
 
 
 def render(results: list[dict], info: dict) -> str:
     parts = ["# mlx_mtp benchmark", "", device_line(info), ""]
     for res in results:
-        if res["mode"] == "experts":
-            from .experts import experts_md as render_one
-        elif res["mode"] == "cost":
-            from .cost import cost_md as render_one
-        elif res["mode"] == "stepcost":
-            from .stepcost import stepcost_md as render_one
-        elif res["mode"] == "pipeline":
-            from .pipeline import markdown as render_one
+        if res["mode"] == "speed":
+            render_one = speed_md
         else:
-            render_one = {"speed": speed_md, "oracle": oracle_md}[res["mode"]]
-        parts.append(render_one(res))
+            module = importlib.import_module(f"apps.bench.{RENDER[res['mode']]}")
+            render_one = getattr(module, f"{res['mode']}_md")
+        body = render_one(res).split("\n")
+        parts += body[:2] + header(res) + body[2:]  # after the mode's heading
     return "\n".join(parts)
 
 

@@ -90,6 +90,25 @@ def from_stats(tokens, seconds, stats: Stats, ttft: float) -> Run:
                stats.target_forwards)
 
 
+def many(fn: Callable[[list], Run], prompts: list) -> Run:
+    """`fn` on each prompt in turn, as one run: tokens per prompt, times and counts summed
+    (decode tok/s = all decoded tokens / all decode time), TTFT the mean."""
+    runs = [fn(p) for p in prompts]
+    if len(runs) == 1:
+        return runs[0]
+    prompt_s = sum(len(p) / r.prompt_tps for p, r in zip(prompts, runs) if r.prompt_tps)
+    decoded = [sum(len(t) for t in r.tokens) - len(r.tokens) for r in runs]
+    decode_s = sum(d / r.decode_tps for d, r in zip(decoded, runs) if r.decode_tps)
+    width = max([len(r.drafted_at) for r in runs] + [0])
+    pad = lambda xs: list(xs) + [0] * (width - len(xs))  # noqa: E731
+    return Run([t for r in runs for t in r.tokens], sum(r.seconds for r in runs),
+               sum(r.ttft for r in runs) / len(runs), sum(len(p) for p in prompts) / prompt_s if prompt_s else 0.0,
+               sum(decoded) / decode_s if decode_s else 0.0, max(r.peak_mb for r in runs),
+               list(np.sum([pad(r.drafted_at) for r in runs], axis=0)) if width else [],
+               list(np.sum([pad(r.accepted_at) for r in runs], axis=0)) if width else [],
+               sum(r.rounds for r in runs), sum(r.accepted for r in runs), sum(r.forwards for r in runs))
+
+
 def ours_single(loaded, prompt, n, k) -> Run:
     """Our B = 1 path (generate_tokens); k None = plain decoding."""
     stats = Stats()
@@ -212,16 +231,21 @@ def run_speed(args, log=print) -> dict:
         model_dir, drafter_dir, pair = Path(args.model), Path(args.drafter), Path(args.model).name
     else:
         model_dir, drafter_dir, pair = default_pair()
-    loaded = load(model_dir, drafter_dir)
+    dtype = None if args.dtype == "stored" else getattr(mx, args.dtype)
+    loaded = load(model_dir, drafter_dir, dtype=dtype)
     batches, ks, n = [int(b) for b in args.batch.split(",")], parse_ks(args.k), args.tokens
     classes = args.classes.split(",") if args.classes else None
-    sets = prompt_sets(loaded, model_dir, max(batches), classes)
+    singles = max(args.prompts, 1)  # prompts per B = 1 run
+    sets = prompt_sets(loaded, model_dir, max(batches + [singles]), classes)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mlxlm-"))
     notes = []
     mlxlm, draft, draft_label = None, None, None
     if not args.no_mlx_lm:
         try:
             mlxlm = load_mlxlm(model_dir, tmp)
+            if dtype is not None:
+                mlxlm.set_dtype(dtype)
+                mx.eval(mlxlm.parameters())
         except Exception as e:  # an unsupported format: say so, keep going
             notes.append(f"mlx-lm could not load {model_dir}: {e}")
         want = args.mlxlm_draft or default_mlxlm_draft(Path(model_dir))
@@ -252,23 +276,26 @@ def run_speed(args, log=print) -> dict:
         for B in batches:
             rows = prompts[:B]
             if B == 1:
-                add = lambda mode, fn, **kw: cases.append(Case(cls, 1, mode, fn, **kw))
-                add("ours-plain", lambda p=rows[0]: ours_single(loaded, p, n, None))
+                ps = prompts[:singles]
+                add = lambda mode, fn, **kw: cases.append(Case(cls, 1, mode, fn, **kw))  # noqa: E731
+                add("ours-plain", lambda: many(lambda p: ours_single(loaded, p, n, None), ps))
                 for k in ks:
-                    add(f"ours-mtp-{k}", lambda p=rows[0], k=k: ours_single(loaded, p, n, k), k=k)
+                    add(f"ours-mtp-{k}", lambda k=k: many(lambda p: ours_single(loaded, p, n, k), ps), k=k)
                 if mlxlm is not None:
-                    add("mlx-lm-plain", lambda p=rows[0]: mlxlm_plain(mlxlm, p, n), note="mlx-lm generate_step")
+                    add("mlx-lm-plain", lambda: many(lambda p: mlxlm_plain(mlxlm, p, n), ps),
+                        note="mlx-lm generate_step")
                     for k in ks if draft is not None else []:
                         if k != "auto":
-                            add(f"mlx-lm-spec-{k}", lambda p=rows[0], k=k: mlxlm_spec(mlxlm, draft, p, n, k), k=k,
-                                reference="mlx-lm-plain", note=draft_label)
+                            add(f"mlx-lm-spec-{k}", lambda k=k: many(lambda p: mlxlm_spec(mlxlm, draft, p, n, k), ps),
+                                k=k, reference="mlx-lm-plain", note=draft_label)
             else:
                 cases.append(Case(cls, B, "ours-plain", lambda r=rows: ours_batch(loaded, r, n, None)))
                 for k in ks:
                     cases.append(Case(cls, B, f"ours-mtp-{k}", lambda r=rows, k=k: ours_batch(loaded, r, n, k), k=k))
 
     # truth: our plain greedy output of every prompt at B = 1
-    truth = {cls: [ours_single(loaded, p, n, None).tokens[0] for p in ps[: max(batches)]] for cls, ps in sets.items()}
+    truth = {cls: [ours_single(loaded, p, n, None).tokens[0] for p in ps[: max(batches + [singles])]]
+             for cls, ps in sets.items()}
     log(f"{len(cases)} cases x (1 warm-up + {args.repeats} repeats), {n} tokens each")
     started = time.perf_counter()
     for c in cases:  # warm-up of every path (compiles, allocations), and the outputs
@@ -281,8 +308,9 @@ def run_speed(args, log=print) -> dict:
     index = {(c.prompt_class, c.batch, c.mode): c for c in cases}
     rows, mismatches = [], []
     for c in cases:
+        rows_n = len(c.tokens)  # B rows, or the B = 1 prompts run in turn
         if c.reference == "ours-plain":
-            expected = truth[c.prompt_class][: c.batch]
+            expected = truth[c.prompt_class][:rows_n]
         else:
             expected = index[(c.prompt_class, c.batch, c.reference)].tokens
         same = c.tokens == expected and all(run.tokens == expected for run in c.runs)
@@ -300,7 +328,7 @@ def run_speed(args, log=print) -> dict:
         total = sum(len(t) for t in c.runs[0].tokens)
         rows.append(dict(
             prompt_class=c.prompt_class, batch=c.batch, mode=c.mode, k=c.k, note=c.note,
-            prompt_tokens=[len(p) for p in sets[c.prompt_class][: c.batch]],
+            prompt_tokens=[len(p) for p in sets[c.prompt_class][:rows_n]],
             tokens=total, seconds=median([r.seconds for r in c.runs]),
             aggregate_tps=median([total / r.seconds for r in c.runs]),
             decode_tps=median([r.decode_tps for r in c.runs]),
@@ -309,7 +337,7 @@ def run_speed(args, log=print) -> dict:
             speedup_vs_ours_plain=median(ratios),
             acceptance_length=(1 + acc / rounds) if rounds and c.k is not None else None,
             acceptance_at=[round(a / d, 3) for a, d in zip(accepted, drafted) if d],
-            tokens_per_forward=total / max(median([r.forwards for r in c.runs]) + c.batch, 1)
+            tokens_per_forward=total / max(median([r.forwards for r in c.runs]) + rows_n, 1)
             if c.mode.startswith("ours") else None,
             peak_mb=median([r.peak_mb for r in c.runs]),
             same_as=c.reference, same_output=same, first_divergence=first_diff,
@@ -318,7 +346,7 @@ def run_speed(args, log=print) -> dict:
     return dict(
         mode="speed", pair=pair, model=str(model_dir), drafter=str(drafter_dir),
         quantization=quantization_label(model_dir, loaded.target),
-        tokenizer=loaded.tokenizer is not None, tokens=n, repeats=args.repeats, batches=batches,
+        tokenizer=loaded.tokenizer is not None, tokens=n, repeats=args.repeats, batches=batches, prompts=singles,
         draft_lengths=ks, prompt_classes=list(sets), notes=notes, mismatches=mismatches,
         rows=rows, summary=summarize(rows, batches, ks),
     )
@@ -334,60 +362,3 @@ def summarize(rows, batches, ks) -> dict:
             if vals:
                 out[f"{k}@{B}"] = math.exp(sum(math.log(v) for v in vals) / len(vals))
     return out
-
-
-# ---- oracle mode (was apps/bench_mtp.py) ------------------------------------------------------
-
-
-def run_oracle(args, log=print) -> dict:
-    """MTP vs plain on the tiny pairs with a drafter of controlled acceptance.
-
-    plain        no drafter
-    random-auto  the fixture's own random drafter, draft length auto (must back off: the
-                 'never slower' check, >= 0.9x plain)
-    oracle-P     a drafter that pays the real drafter's cost but proposes the target's true
-                 continuation with probability P, fixed K
-    """
-    from mlx_mtp.drafters import MTPProposer
-    from mlx_mtp.loading import load_model
-    from mlx_mtp.oracle import OracleDrafter
-
-    def run(target, prompt, n, drafter=None, k="auto"):
-        stats = Stats()
-        start = time.perf_counter()
-        tokens = [t for t, _ in generate_tokens(target, prompt, drafter=drafter, draft_tokens=k,
-                                                max_tokens=n, stats=stats)]
-        return tokens, time.perf_counter() - start, stats
-
-    rows, mismatches = [], []
-    n = args.tokens
-    for variant in args.variants.split(","):
-        target, drafter = load_model(TINY / variant / "target")[0], load_model(TINY / variant / "drafter")[0]
-        prompt = np.load(TINY / variant / "reference.npz")["prompt"].tolist()
-        truth, _, _ = run(target, prompt, n)
-        modes = {"plain": lambda: run(target, prompt, n),
-                 "random-auto": lambda: run(target, prompt, n, drafter, "auto")}
-        for p in (0.6, 0.8, 0.95):
-            modes[f"oracle-{p}"] = lambda p=p: run(
-                target, prompt, n, OracleDrafter(truth, len(prompt), target.vocab_size, p, inner=MTPProposer(drafter, target)),
-                args.k)
-        for fn in modes.values():
-            fn()
-        times, last = {m: [] for m in modes}, {}
-        for _ in range(args.repeats):
-            for name, fn in modes.items():
-                tokens, seconds, stats = fn()
-                if tokens != truth:
-                    mismatches.append(f"{variant} {name}: output differs from plain greedy")
-                times[name].append(seconds)
-                last[name] = stats
-        ratios = {m: [p / t for p, t in zip(times["plain"], times[m])] for m in modes}
-        for name in modes:
-            s = last[name]
-            rows.append(dict(variant=variant, mode=name, seconds=median(times[name]),
-                             speedup_vs_plain=median(ratios[name]),
-                             tokens_per_forward=n / max(s.target_forwards + 1, 1),
-                             acceptance_length=s.acceptance_length, acceptance_at=s.acceptance_rates,
-                             mtp_rounds=s.rounds, plain_steps=s.plain_steps))
-        log(f"oracle {variant} done")
-    return dict(mode="oracle", tokens=n, repeats=args.repeats, k=args.k, rows=rows, mismatches=mismatches)

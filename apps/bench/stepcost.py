@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 
 from .env import median  # noqa: E402
 from .pairs import load_pair  # noqa: E402
-from .report import fmt, pivot, regime_note, table  # noqa: E402
+from .report import fmt, pivot, table  # noqa: E402
 
 
 def timed(fn, inner: int) -> float:
@@ -66,7 +66,8 @@ def run_stepcost(args, log=print) -> dict:
     sizes = list(range(1, args.max_tokens + 1))
     batches = [int(b) for b in args.batch.split(",")]
     ks = [k for k in (int(k) for k in args.k.split(",")) if k + 1 <= args.max_tokens]
-    target, drafter, description = load_pair(args.pair, args.seed)
+    dtype = None if args.dtype == "stored" else getattr(mx, args.dtype)
+    target, drafter, description = load_pair(args.pair, args.seed, dtype)
     log(description)
     forward_ms, draft_ms, ratio_4_1, rounds = {}, {}, {}, {}
     for B in batches:
@@ -78,15 +79,13 @@ def run_stepcost(args, log=print) -> dict:
             ratio_4_1[B] = per_repeat(lambda r: s[4][r] / s[1][r])
         for K in ks:
             rounds[f"{K}@{B}"] = per_repeat(lambda r: (s[K + 1][r] + K * s["draft"][r]) / s[1][r])
-    return dict(mode="stepcost", pair=args.pair, description=description, context=args.context,
+    return dict(mode="stepcost", pair=args.pair, description=description, context=args.context, dtype=args.dtype,
                 repeats=args.repeats, sizes=sizes, batches=batches, ks=ks, forward_ms=forward_ms,
                 draft_ms=draft_ms, ratio_4_1=ratio_4_1, round_in_plain_steps=rounds)
 
 
 def stepcost_md(res: dict) -> str:
     out = [f"## Step cost: {res['pair']} pair, regime {res['regime']['name']}", "",
-           f"`{res['command']}`", "",
-           regime_note(res), "",
            f"Measured: {res['description']}. Target forward over T new tokens per row on a cache of {res['context']} "
            f"tokens (logits evaluated), one drafter step (logits and next hidden evaluated); median of "
            f"{res['repeats']} interleaved repeats; ratios are medians of within-repeat ratios.", ""]
