@@ -285,7 +285,8 @@ class BatchGenerator:
             needed = int(self.cache.bound.max()) + plan.k + 2
             if needed > self.state.history.shape[1]:
                 self.state.history = _widen(self.state.history, needed + 256)
-        self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan, self.lockstep.share)
+        self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan, self.lockstep.share,
+                                    queue=mx.async_eval)
         mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset)
         return _Inflight(out, list(rows), plan, after_prefill)
 

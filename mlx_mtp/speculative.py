@@ -137,10 +137,16 @@ def here(decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:
 
 
 def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache, state: BatchState,
-              plan: Plan, share: Callable = here) -> tuple[BatchState, RoundOutput]:
-    """draft -> verify -> accept -> advance, for every row of the cache; nothing is evaluated."""
+              plan: Plan, share: Callable = here, queue: Optional[Callable] = None) -> tuple[BatchState, RoundOutput]:
+    """draft -> verify -> accept -> advance, for every row of the cache; nothing is read back.
+
+    `queue` (e.g. `mx.async_eval`) receives the drafts as soon as they are built, so the device
+    starts drafting while the host builds the verify.
+    """
     base = cache.offset
     drafts = draft(proposer, state, cache, plan)
+    if queue is not None and plan.k:
+        queue(drafts.tokens)
     out = verify(target, cache, state, drafts)
 
     def decide():
@@ -160,14 +166,16 @@ class DraftPolicy:
     acceptance of draft i given the ones before it); its cost is measured per (rows, K), and for
     a K not measured at this batch size read off a line fitted through the ones that were. The
     first rounds at a batch size measure K = 0 (pipelined plain decoding) and K = K_START; after
-    that the best K runs, and every `probe_every` rounds a neighbour of it is measured again
-    (K_START when the best is 0: acceptance may have changed), so estimates follow the machine.
+    that the best K runs, and every `probe_every` rounds a neighbour of it is measured again, so
+    estimates follow the machine. While plain steps win, a one-round probe of K_START only checks
+    whether drafts started being accepted, ever more rarely (drafting that does not pay costs).
     """
 
     K_START = 2
     PROBE = 3  # rounds a probe lasts: a round's time is only known between two alike rounds
     MARGIN = 1.03  # drafting must promise this much more than plain steps: noise is not a gain
     WINDOW = 16  # round times kept per (rows, K); their median is the cost
+    MAX_PAUSE = 512  # rounds between probes while plain steps keep winning
 
     def __init__(self, k: Union[int, str] = "auto", k_max: int = K_MAX, probe_every: int = 16):
         self.fixed = None if k == "auto" else check_draft_tokens(k)
@@ -175,8 +183,11 @@ class DraftPolicy:
         # P(draft i accepted | the ones before were): a Beta(2, 2) prior, then recent rounds.
         self.hits, self.seen = np.full(K_MAX, 2.0), np.full(K_MAX, 4.0)
         self.times: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> recent seconds
-        self.rounds = 0
         self.probe_every = probe_every
+        self.waited: dict[int, int] = {}  # rows -> rounds since the last probe
+        self.pause: dict[int, int] = {}  # rows -> rounds between probes
+        self.probing: list[int] = []  # the draft lengths of a probe still to run
+        self.up = False  # probes alternate between the best K's neighbours
 
     @property
     def accept(self) -> np.ndarray:
@@ -194,18 +205,24 @@ class DraftPolicy:
         for k in (0, start):  # measure plain steps and one draft length first
             if len(self.times.get((rows, k), ())) < 3:
                 return k
-        self.rounds += 1
+        if self.probing:
+            return self.probing.pop()
         cost = self.cost
         best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
         if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
             best = 0
-        if self.rounds % self.probe_every >= self.probe_every - self.PROBE:  # keep a neighbour's
-            # estimate fresh, for a few rounds in a row
-            up = (self.rounds // self.probe_every) % 2
-            if best == 0:
-                return start if up else 1
-            return min(self.k_max, best + 1) if up else best - 1
-        return best
+        self.waited[rows] = self.waited.get(rows, 0) + 1
+        pause = self.pause.get(rows, self.probe_every)
+        if self.waited[rows] < pause:
+            return best
+        self.waited[rows] = 0
+        if best == 0:
+            self.pause[rows] = min(2 * pause, self.MAX_PAUSE)
+            return start
+        self.pause[rows], self.up = self.probe_every, not self.up
+        neighbour = min(self.k_max, best + 1) if self.up else best - 1
+        self.probing = [neighbour] * (self.PROBE - 1)
+        return neighbour
 
     def rate(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
         tokens = rows * (1 + np.cumprod(self.accept[:k]).sum())

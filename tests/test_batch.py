@@ -169,3 +169,15 @@ def test_a_long_prompt_is_prefilled_between_rounds():
             assert any(e.uid == first and e.tokens for e in events)
     assert steps_while_prefilling >= 300 // 16
     assert out[second] == alone("dense", long_prompt, 5)
+
+
+def test_draft_policy_probes_ever_more_rarely_while_drafting_does_not_pay():
+    policy = DraftPolicy("auto")
+    chosen = []
+    for _ in range(400):
+        k = policy.choose(1)
+        chosen.append(k)
+        policy.observe(1, k, [0], 1.0 + k)  # nothing accepted, each draft costs a plain step
+    drafted = [i for i, k in enumerate(chosen) if k]
+    assert len(drafted) <= 6 + 6  # exploration, then probes at 16, 32, 64, 128, 256 rounds' pause
+    assert all(k == 0 for k in chosen[-100:])
