@@ -164,10 +164,11 @@ class DraftPolicy:
     Fixed, or "auto": the K in 0..k_max with the most expected tokens per second. A round with K
     drafts is expected to give rows * (1 + sum_j prod_{i<=j} a_i) tokens (a_i: the measured
     acceptance of draft i given the ones before it); its cost is measured per (rows, K), and for
-    a K not measured at this batch size read off a line fitted through the ones that were. The
-    first rounds at a batch size measure K = 0 (pipelined plain decoding) and K = K_START; after
-    that the best K runs, and every `probe_every` rounds a neighbour of it is measured again, so
-    estimates follow the machine. While plain steps win, a one-round probe of K_START only checks
+    a K not measured at this batch size read off a line fitted through the ones that were, or,
+    with only plain steps measured there, scaled from the nearest batch size that has drafted
+    rounds. The first rounds at a batch size measure K = 0 (pipelined plain decoding) and, unless
+    such a neighbour exists, K = K_START; after that the best K runs, and every `probe_every`
+    rounds a neighbour of it is measured again, so estimates follow the machine. While plain steps win, a one-round probe of K_START only checks
     whether drafts started being accepted, ever more rarely (drafting that does not pay costs).
     """
 
@@ -202,7 +203,9 @@ class DraftPolicy:
         if self.fixed is not None:
             return self.fixed
         start = min(self.K_START, self.k_max)
-        for k in (0, start):  # measure plain steps and one draft length first
+        # Measure plain steps and one draft length first; a new batch size whose drafted rounds
+        # can be estimated from another batch size measures only its plain steps.
+        for k in (0,) if self._similar(rows) else (0, start):
             if len(self.times.get((rows, k), ())) < 3:
                 return k
         if self.probing:
@@ -237,10 +240,19 @@ class DraftPolicy:
             ks, cs = np.array(known, dtype=np.float64).T
             slope = max(np.polyfit(ks, cs, 1)[0], 0.0)
             return max(float(cs.mean() + slope * (k - ks.mean())), 1e-9)
+        near = self._similar(rows)
+        if (rows, 0) in cost and near is not None:  # scaled from the nearest measured batch size
+            return cost[(rows, 0)] * self.round_cost(near, k, cost) / cost[(near, 0)]
         if known:  # one point: assume each draft costs half a plain step
             k0, c0 = known[0]
             return c0 * (2 + k) / (2 + k0)
         return 1.0 + k / 2
+
+    def _similar(self, rows: int) -> Optional[int]:
+        """The batch size nearest `rows` with plain and drafted rounds measured, if any."""
+        measured = lambda r, k: len(self.times.get((r, k), ())) >= 3
+        sizes = {r for (r, k) in self.times if r != rows and k > 0 and measured(r, k) and measured(r, 0)}
+        return min(sizes, key=lambda r: (abs(np.log(r / rows)), r), default=None)
 
     def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
         """A round of `k` drafts over `rows` rows took `seconds` (None: not timed) and

@@ -147,6 +147,28 @@ def test_draft_policy_prefers_drafting_only_when_it_pays():
     assert chosen == [0, 0, 0] + [DraftPolicy.K_START] * 3
 
 
+def test_a_new_batch_size_borrows_drafted_costs_from_a_measured_one():
+    """Drafting that did not pay at 4 rows is not re-explored at 6: its rounds are estimated
+    from 4 rows' costs scaled by the plain-step ratio, and only plain steps are measured."""
+    policy = DraftPolicy("auto", k_max=4)
+    for _ in range(8):  # at 4 rows: plain 1.0 s, K=2 3.0 s, nothing accepted
+        policy.observe(4, 0, [0] * 4, 1.0)
+        policy.observe(4, 2, [0] * 4, 3.0)
+    chosen = []
+    for _ in range(10):
+        chosen.append(policy.choose(6))
+        policy.observe(6, chosen[-1], [0] * 6, 1.5 * (1 + chosen[-1]))
+    assert chosen == [0] * 10
+    assert policy.round_cost(6, 2) == pytest.approx(1.5 * 3.0)
+    paying = DraftPolicy("auto", k_max=4)  # the same, but drafts accepted: 6 rows draft at once
+    for _ in range(8):
+        paying.observe(4, 0, [0] * 4, 1.0)
+        paying.observe(4, 2, [2] * 4, 1.2)
+    for _ in range(3):
+        paying.observe(6, paying.choose(6), [2] * 6, 1.5)
+    assert paying.choose(6) > 0
+
+
 def test_a_long_prompt_is_prefilled_between_rounds():
     """While a 300-token prompt is prefilled in chunks of 16, a streaming row gets tokens at
     every step: it stalls for at most one chunk per round."""
