@@ -177,6 +177,7 @@ class DraftPolicy:
     MARGIN = 1.03  # drafting must promise this much more than plain steps: noise is not a gain
     WINDOW = 16  # round times kept per (rows, K); their median is the cost
     MAX_PAUSE = 512  # rounds between probes while plain steps keep winning
+    REDECIDE = 8  # rounds a decision stands before the estimates are read again
 
     def __init__(self, k: Union[int, str] = "auto", k_max: int = K_MAX, probe_every: int = 16):
         self.fixed = None if k == "auto" else check_draft_tokens(k)
@@ -189,6 +190,7 @@ class DraftPolicy:
         self.pause: dict[int, int] = {}  # rows -> rounds between probes
         self.probing: list[int] = []  # the draft lengths of a probe still to run
         self.up = False  # probes alternate between the best K's neighbours
+        self.decided: dict[int, tuple[int, int]] = {}  # rows -> (best K, rounds it has stood)
 
     @property
     def accept(self) -> np.ndarray:
@@ -210,15 +212,13 @@ class DraftPolicy:
                 return k
         if self.probing:
             return self.probing.pop()
-        cost = self.cost
-        best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
-        if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
-            best = 0
+        best = self._best(rows)
         self.waited[rows] = self.waited.get(rows, 0) + 1
         pause = self.pause.get(rows, self.probe_every)
         if self.waited[rows] < pause:
             return best
         self.waited[rows] = 0
+        self.decided.pop(rows, None)  # decide afresh once the probe is measured
         if best == 0:
             self.pause[rows] = min(2 * pause, self.MAX_PAUSE)
             return start
@@ -226,6 +226,18 @@ class DraftPolicy:
         neighbour = min(self.k_max, best + 1) if self.up else best - 1
         self.probing = [neighbour] * (self.PROBE - 1)
         return neighbour
+
+    def _best(self, rows: int) -> int:
+        """The best K at `rows`, recomputed every REDECIDE rounds: the estimate costs host time
+        that a small model's round cannot hide."""
+        best, age = self.decided.get(rows, (0, self.REDECIDE))
+        if age >= self.REDECIDE:
+            cost, age = self.cost, 0
+            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
+            if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
+                best = 0
+        self.decided[rows] = (best, age + 1)
+        return best
 
     def rate(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
         tokens = rows * (1 + np.cumprod(self.accept[:k]).sum())
@@ -238,7 +250,8 @@ class DraftPolicy:
         known = [(kk, c) for (r, kk), c in cost.items() if r == rows]
         if len(known) >= 2:  # least-squares line through the measured draft lengths
             ks, cs = np.array(known, dtype=np.float64).T
-            slope = max(np.polyfit(ks, cs, 1)[0], 0.0)
+            dk = ks - ks.mean()
+            slope = max(float(dk @ (cs - cs.mean()) / (dk @ dk)), 0.0) if dk.any() else 0.0
             return max(float(cs.mean() + slope * (k - ks.mean())), 1e-9)
         near = self._similar(rows)
         if (rows, 0) in cost and near is not None:  # scaled from the nearest measured batch size
@@ -267,18 +280,23 @@ class DraftPolicy:
                 self.seen[i] += 1
 
 
-_POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_POLICIES: dict[int, DraftPolicy] = {}  # id(drafter) -> its policy, dropped with the drafter
 
 
 def policy_for(drafter, k: Union[int, str]) -> DraftPolicy:
     """The draft-length policy of a drafter: "auto" policies persist with the drafter object, so
-    what one generation measured (round costs, acceptance) serves the next."""
+    what one generation measured (round costs, acceptance) serves the next. (Keyed by id: an
+    MLX module is a dict, so it cannot be a dictionary key itself.)"""
     if drafter is None or k != "auto":
         return DraftPolicy(k if drafter is not None else 0)
-    try:
-        return _POLICIES.setdefault(drafter, DraftPolicy("auto"))
-    except TypeError:  # not weakly referenceable: a policy of its own
-        return DraftPolicy("auto")
+    key = id(drafter)
+    if key not in _POLICIES:
+        try:
+            weakref.finalize(drafter, _POLICIES.pop, key, None)
+        except TypeError:  # not weakly referenceable: a policy of its own
+            return DraftPolicy("auto")
+        _POLICIES[key] = DraftPolicy("auto")
+    return _POLICIES[key]
 
 
 def check_draft_tokens(k) -> int:

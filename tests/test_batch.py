@@ -3,10 +3,11 @@ leaves, finishes early, is cancelled or drafts differently; seeded rows are repr
 
 import numpy as np
 import pytest
-from conftest import reference, tiny_drafter, tiny_target
+from conftest import TINY, reference, tiny_drafter, tiny_target
 
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
+from mlx_mtp.loading import load_model
 from mlx_mtp.sample import SamplingParams
 from mlx_mtp.speculative import DraftPolicy
 
@@ -145,6 +146,20 @@ def test_draft_policy_prefers_drafting_only_when_it_pays():
         chosen.append(fresh.choose(3))
         fresh.observe(3, chosen[-1], [1] * 3, 1.0)
     assert chosen == [0, 0, 0] + [DraftPolicy.K_START] * 3
+
+
+def test_the_auto_policy_persists_with_the_drafter():
+    """What one generation measured serves the next: a second generator of the same drafter
+    does not explore again (an MLX module is a dict, so it cannot key a WeakKeyDictionary)."""
+    target, drafter = tiny_target("dense"), load_model(TINY / "dense" / "drafter")[0]
+    first = BatchGenerator(target, drafter)
+    assert BatchGenerator(target, drafter).policy is first.policy
+    assert BatchGenerator(target, load_model(TINY / "dense" / "drafter")[0]).policy is not first.policy
+    assert BatchGenerator(target, drafter, draft_tokens=2).policy is not first.policy
+    for _ in range(8):
+        first.policy.observe(1, 0, [0], 1.0)
+        first.policy.observe(1, DraftPolicy.K_START, [0], 3.0)
+    assert BatchGenerator(target, drafter).policy.choose(1) == 0
 
 
 def test_a_new_batch_size_borrows_drafted_costs_from_a_measured_one():
