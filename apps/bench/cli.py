@@ -126,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--fifo-clients", type=int, default=8, help="N for the max_batch=1 baseline (0: none)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     g.add_argument("--old-commit", default="4491006", help="commit of the single-request driver, or 'none'")
+    g.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"),
+                   help="compute dtype (stored: as the Engine loads it; float32 lets --regime serve the matmuls; "
+                        "not with the old driver)")
     g.add_argument("--quick", action="store_true", help="N=1,8, 24 tokens, 1 repeat")
 
     f = sub.add_parser("ttft", help="time to first token vs mlx-vlm on the same checkpoint and prompts")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 
 import mlx_mtp
@@ -172,7 +173,8 @@ def pair_prompts(loaded, target_dir: Path, rows: int) -> tuple[str, list]:
 
 def bench_pair(pair: str, args, log) -> dict:
     target_dir, drafter_dir = pair_dirs(pair)
-    loaded = mlx_mtp.load(target_dir, drafter_dir)._replace(eos_ids=frozenset())  # as stored; no stops
+    dtype = None if args.dtype == "stored" else getattr(mx, args.dtype)
+    loaded = mlx_mtp.load(target_dir, drafter_dir, dtype=dtype)._replace(eos_ids=frozenset())  # no stops
     clients = [int(c) for c in args.clients.split(",")]
     n, rows = args.max_tokens, max(clients + [args.fifo_clients])
     cls, prompts = pair_prompts(loaded, target_dir, rows)
@@ -256,6 +258,8 @@ def ratios(configs: list, clients: list, fifo: int) -> dict:
 def run_engine(args, log=print) -> dict:
     if args.quick:
         args.clients, args.max_tokens, args.repeats = "1,8", 24, 1
+    if args.dtype != "stored" and args.old_commit != "none":
+        raise SystemExit("--dtype needs --old-commit none (the old driver loads as stored)")
     pairs = [bench_pair(p, args, log) for p in args.pair.split(",")]
     return dict(mode="engine", max_tokens=args.max_tokens, repeats=args.repeats, clients=args.clients,
                 fifo_clients=args.fifo_clients, old_commit=args.old_commit, pairs=pairs,
