@@ -305,6 +305,9 @@ def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int
         sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
     if interactive:
+        # Started with SIGINT ignored (e.g. from a script's background job), Python installs no
+        # handler and Ctrl-C at the prompt would do nothing: on a terminal it clears the line.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print("type /help for commands", file=sys.stderr)
     try:
         repl(conv, options, interactive)

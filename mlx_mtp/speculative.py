@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import weakref
 from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
@@ -164,12 +165,14 @@ class DraftPolicy:
     Fixed, or "auto": the K in 0..k_max with the most expected tokens per second. A round with K
     drafts is expected to give rows * (1 + sum_j prod_{i<=j} a_i) tokens (a_i: the measured
     acceptance of draft i given the ones before it); its cost is measured per (rows, K), and for
-    a K not measured at this batch size read off a line fitted through the ones that were, or,
-    with only plain steps measured there, scaled from the nearest batch size that has drafted
-    rounds. The first rounds at a batch size measure K = 0 (pipelined plain decoding) and, unless
-    such a neighbour exists, K = K_START; after that the best K runs, and every `probe_every`
-    rounds a neighbour of it is measured again, so estimates follow the machine. While plain steps win, a one-round probe of K_START only checks
-    whether drafts started being accepted, ever more rarely (drafting that does not pay costs).
+    a K not measured at this batch size read off a line fitted through the drafted rounds that
+    were (through the plain steps too while only one draft length is measured), or, with only
+    plain steps measured there, scaled from the nearest batch size that has drafted rounds. The
+    first rounds at a batch size measure K = 0 (pipelined plain decoding) and, unless such a
+    neighbour exists, K = K_START; after that the best K runs, and every `probe_every` rounds a
+    neighbour of it is measured again, so estimates follow the machine. While plain steps win, a
+    one-round probe of K_START only checks whether drafts started being accepted, ever more
+    rarely (drafting that does not pay costs).
     """
 
     K_START = 2
@@ -191,6 +194,7 @@ class DraftPolicy:
         self.probing: list[int] = []  # the draft lengths of a probe still to run
         self.up = False  # probes alternate between the best K's neighbours
         self.decided: dict[int, tuple[int, int]] = {}  # rows -> (best K, rounds it has stood)
+        self.lock = threading.Lock()  # one drafter's policy may serve generators on several threads
 
     @property
     def accept(self) -> np.ndarray:
@@ -204,6 +208,10 @@ class DraftPolicy:
     def choose(self, rows: int) -> int:
         if self.fixed is not None:
             return self.fixed
+        with self.lock:
+            return self._choose(rows)
+
+    def _choose(self, rows: int) -> int:
         start = min(self.K_START, self.k_max)
         # Measure plain steps and one draft length first; a new batch size whose drafted rounds
         # can be estimated from another batch size measures only its plain steps.
@@ -248,6 +256,9 @@ class DraftPolicy:
         if (rows, k) in cost:
             return cost[(rows, k)]
         known = [(kk, c) for (r, kk), c in cost.items() if r == rows]
+        drafted = [(kk, c) for kk, c in known if kk > 0]
+        if k > 0 and len(drafted) >= 2:  # the first draft has costs of its own: a line through drafted rounds
+            known = drafted
         if len(known) >= 2:  # least-squares line through the measured draft lengths
             ks, cs = np.array(known, dtype=np.float64).T
             dk = ks - ks.mean()
@@ -270,6 +281,10 @@ class DraftPolicy:
     def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
         """A round of `k` drafts over `rows` rows took `seconds` (None: not timed) and
         accepted `accepted[b]` drafts of the rows that drafted."""
+        with self.lock:
+            self._observe(rows, k, accepted, seconds)
+
+    def _observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
         if seconds is not None:
             self.times.setdefault((rows, k), collections.deque(maxlen=self.WINDOW)).append(seconds)
         for n in accepted:  # conditional acceptance per position, from each row's prefix

@@ -162,6 +162,20 @@ def test_the_auto_policy_persists_with_the_drafter():
     assert BatchGenerator(target, drafter).policy.choose(1) == 0
 
 
+def test_unmeasured_draft_lengths_follow_the_drafted_rounds():
+    """The first draft costs more than the next ones (the drafter's first step, a wider verify):
+    a longer K is extrapolated from the drafted rounds, not from a line through the plain step."""
+    policy = DraftPolicy("auto")
+    for k, seconds in ((0, 1.0), (1, 1.33), (2, 1.5), (3, 1.7)):
+        for _ in range(3):
+            policy.observe(1, k, [0], seconds)
+    assert policy.round_cost(1, 5) == pytest.approx(1.51 + 0.185 * 3, rel=1e-6)
+    sparse = DraftPolicy("auto")  # one draft length measured: the line goes through the plain step
+    for k, seconds in ((0, 1.0), (2, 1.6)):
+        sparse.observe(1, k, [0], seconds)
+    assert sparse.round_cost(1, 4) == pytest.approx(2.2)
+
+
 def test_a_new_batch_size_borrows_drafted_costs_from_a_measured_one():
     """Drafting that did not pay at 4 rows is not re-explored at 6: its rounds are estimated
     from 4 rows' costs scaled by the plain-step ratio, and only plain steps are measured."""

@@ -163,10 +163,12 @@ def read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
 
 
 def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(models):
+    """Also when the chat starts with SIGINT ignored (as a background job of a script starts it)."""
     pty = pytest.importorskip("pty")
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat on a terminal
         try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec
             os.execve(sys.executable, [sys.executable, "-m", "mlx_mtp.chat", "--model", str(models[0])], ENV)
         finally:
             os._exit(127)
