@@ -181,12 +181,12 @@ class DraftPolicy:
     WINDOW = 16  # round times kept per (rows, K); their median is the cost
     MAX_PAUSE = 512  # rounds between probes while plain steps keep winning
     REDECIDE = 8  # rounds a decision stands before the estimates are read again
+    PRIOR = 4.0  # weight, in rounds, of a draft position's prior acceptance
 
     def __init__(self, k: Union[int, str] = "auto", k_max: int = K_MAX, probe_every: int = 16):
         self.fixed = None if k == "auto" else check_draft_tokens(k)
         self.k_max = k_max if self.fixed is None else self.fixed
-        # P(draft i accepted | the ones before were): a Beta(2, 2) prior, then recent rounds.
-        self.hits, self.seen = np.full(K_MAX, 2.0), np.full(K_MAX, 4.0)
+        self.hits, self.seen = np.zeros(K_MAX), np.zeros(K_MAX)  # recent rounds, per draft position
         self.times: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> recent seconds
         self.probe_every = probe_every
         self.waited: dict[int, int] = {}  # rows -> rounds since the last probe
@@ -198,7 +198,13 @@ class DraftPolicy:
 
     @property
     def accept(self) -> np.ndarray:
-        return self.hits / self.seen
+        """P(draft i accepted | the ones before were). Each position's prior (PRIOR rounds' worth)
+        is the estimate of the position before it (the first: 1/2), so a draft length never run
+        yet is expected to do as well as the longest one that was, not a coin toss."""
+        out, prior = np.empty(K_MAX), 0.5
+        for i in range(K_MAX):
+            out[i] = prior = (self.hits[i] + self.PRIOR * prior) / (self.seen[i] + self.PRIOR)
+        return out
 
     @property
     def cost(self) -> dict[tuple[int, int], float]:
