@@ -199,11 +199,13 @@ class DraftPolicy:
     @property
     def accept(self) -> np.ndarray:
         """P(draft i accepted | the ones before were). Each position's prior (PRIOR rounds' worth)
-        is the estimate of the position before it (the first: 1/2), so a draft length never run
-        yet is expected to do as well as the longest one that was, not a coin toss."""
-        out, prior = np.empty(K_MAX), 0.5
+        lies halfway between a coin toss and the estimate of the position before it: a draft
+        length never run yet looks better after well-accepted drafts than after poor ones, but
+        not as good (acceptance usually falls with depth)."""
+        out, before = np.empty(K_MAX), 0.5
         for i in range(K_MAX):
-            out[i] = prior = (self.hits[i] + self.PRIOR * prior) / (self.seen[i] + self.PRIOR)
+            prior = (0.5 + before) / 2
+            out[i] = before = (self.hits[i] + self.PRIOR * prior) / (self.seen[i] + self.PRIOR)
         return out
 
     @property

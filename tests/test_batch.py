@@ -163,18 +163,17 @@ def test_the_auto_policy_persists_with_the_drafter():
 
 
 def test_an_untried_draft_position_is_expected_to_do_like_the_last_tried_one():
-    """Drafts accepted at K=2 make K=3..6 look promising (so the policy tries them), where a
-    coin-toss prior for the untried positions would keep it at K=2; rejected drafts the reverse."""
+    """Drafts accepted at K=2 make K=3 look worth a try, where a coin-toss prior for the untried
+    positions keeps the policy at K=2; rejected drafts make every untried position look poor."""
     good, bad = DraftPolicy("auto"), DraftPolicy("auto")
     for _ in range(20):
         good.observe(1, 2, [2], None)
         bad.observe(1, 2, [0], None)
-    assert min(good.accept) > 0.9
-    assert max(bad.accept) < 0.15
+    assert good.accept[2] > 0.7 and bad.accept[1] < 0.3
     for _ in range(3):  # rounds cost 1 + K/4 plain steps
         for k in (0, 2):
             good.observe(1, k, [2], 1 + k / 4)
-    assert good._best(1) == 6
+    assert good._best(1) > 2
 
 
 def test_unmeasured_draft_lengths_follow_the_drafted_rounds():
