@@ -175,7 +175,7 @@ class DraftPolicy:
     rarely (drafting that does not pay costs).
     """
 
-    K_START = 2
+    K_START = 1  # the cheapest drafted round; longer ones are estimated from it, then tried
     PROBE = 3  # rounds a probe lasts: a round's time is only known between two alike rounds
     MARGIN = 1.03  # drafting must promise this much more than plain steps: noise is not a gain
     WINDOW = 16  # round times kept per (rows, K); their median is the cost

@@ -132,11 +132,12 @@ def test_draft_policy_prefers_drafting_only_when_it_pays():
     model = DraftPolicy("auto", k_max=4)
     for _ in range(20):  # useless drafts, each draft as costly as a plain step
         model.observe(8, 0, [0] * 8, 1.0)
-        model.observe(8, 2, [0] * 8, 3.0)
+        model.observe(8, DraftPolicy.K_START, [0] * 8, 1.0 + DraftPolicy.K_START)
     assert model.choose(8) == 0
     good = DraftPolicy("auto", k_max=4)
     for _ in range(20):  # near-perfect drafts, cheap drafting
         good.observe(8, 0, [0] * 8, 1.0)
+        good.observe(8, 1, [1] * 8, 1.1)
         good.observe(8, 2, [2] * 8, 1.2)
         good.observe(8, 4, [4] * 8, 1.4)
     assert good.choose(8) >= 3
