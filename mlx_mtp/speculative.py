@@ -223,9 +223,10 @@ class DraftPolicy:
         start = min(self.K_START, self.k_max)
         # Measure plain steps and one draft length first; a new batch size whose drafted rounds
         # can be estimated from another batch size measures only its plain steps.
-        for k in (0,) if self._similar(rows) else (0, start):
-            if len(self.times.get((rows, k), ())) < 3:
-                return k
+        if len(self.times.get((rows, 0), ())) < 3:
+            return 0
+        if len(self.times.get((rows, start), ())) < 3 and self._similar(rows) is None:
+            return start
         if self.probing:
             return self.probing.pop()
         best = self._best(rows)
