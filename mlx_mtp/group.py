@@ -203,6 +203,19 @@ class Group:
                           "(MLX_MTP_STEP_TIMEOUT)")
 
 
+def loopback_hostfile(path, ranks: int = 2):
+    """Write a ring hostfile (as `mlx.launch` passes in MLX_HOSTFILE) for `ranks` processes on
+    this machine, each on a free port; returns `path`."""
+    ports = []
+    for _ in range(ranks):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    with open(path, "w") as f:
+        json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+    return path
+
+
 def leader_host() -> str:
     """Rank 0's address: MLX_MTP_LEADER, else the first host of the ring's hostfile or the jaccl
     coordinator that `mlx.launch` passes on, else this machine."""

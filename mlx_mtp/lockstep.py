@@ -10,12 +10,15 @@ rank that holds the logits makes each round's decision and shares it (`share`).
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from .speculative import here
 
 
-class Lockstep(Protocol):
+class Lockstep:
+    """The hooks, as a process running by itself has them: they do nothing (`mlx_mtp.pipeline`'s
+    `Leader` and `Follower` override what a group needs)."""
+
     def made(self, gen) -> None:
         """`gen` was just made (the other ranks make theirs)."""
 
@@ -33,39 +36,15 @@ class Lockstep(Protocol):
 
     def draft_tokens(self, gen, choose: Callable[[], int]) -> int:
         """The round's draft length: `choose()` on rank 0, the same number everywhere."""
+        return choose()
 
     def share(self, decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:
         """`decide()` (int32 arrays of these shapes) where the logits are, for every rank."""
+        return here(decide, shapes)
 
     def seed(self, gen, uid: int) -> int:
         """A random seed for row `uid` inserted without one (the same one on every rank)."""
-
-
-class Alone:
-    """A process that generates by itself."""
-
-    def made(self, gen) -> None:
-        pass
-
-    def inserting(self, gen, row) -> None:
-        pass
-
-    def called(self, gen, call: str, *args) -> None:
-        pass
-
-    def stepped(self, gen) -> None:
-        pass
-
-    def kept(self, gen, row) -> None:
-        pass
-
-    def draft_tokens(self, gen, choose: Callable[[], int]) -> int:
-        return choose()
-
-    share = staticmethod(here)
-
-    def seed(self, gen, uid: int) -> int:
         return secrets.randbits(32)
 
 
-ALONE = Alone()
+ALONE = Lockstep()

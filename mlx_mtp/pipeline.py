@@ -44,6 +44,7 @@ from .cache import FULL, SLIDING, CacheError
 from .drafters import MTPProposer
 from .group import Group, GroupError, Traffic
 from .loading import Loaded, _private_arrays, eos_ids, load_model, load_tokenizer
+from .lockstep import Lockstep
 from .sample import SamplingParams
 from .speculative import Drafts
 
@@ -114,7 +115,7 @@ def place(target, drafter, ranks: int) -> list[tuple[int, int]]:
 # ---- one rank's stage: the device side -------------------------------------------------------------
 
 
-class Stage:
+class Stage(Lockstep):
     """This rank's layers and its neighbours on the ring (what `gemma4.Model.keep_stage` and the
     driver's `share` use). `Leader` and `Follower` add the host side."""
 
@@ -295,15 +296,6 @@ class Follower(Stage):
 
     def made(self, gen) -> None:
         self._gens[next(self._ids)] = gen
-
-    def inserting(self, gen, row) -> None:
-        pass
-
-    def called(self, gen, call: str, *args) -> None:
-        pass
-
-    def stepped(self, gen) -> None:
-        pass
 
     def kept(self, gen, row) -> None:
         key = f"{self._gen_id(gen)}:{row.uid}"

@@ -16,27 +16,16 @@ from conftest import TINY, tiny_drafter, tiny_target
 from pipeline_jobs import run_jobs
 
 import mlx_mtp
-from mlx_mtp.group import EXIT_PEER_LOST
+from mlx_mtp.group import EXIT_PEER_LOST, loopback_hostfile
 from mlx_mtp.pipeline import PlacementError, nbytes, place, split_layers
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-def hostfile(tmp_path: Path) -> Path:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    path = tmp_path / "hosts.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    return path
-
-
 def start_ranks(tmp_path: Path, *args, **env) -> list:
     """Two ranks of `pipeline_ranks.py`, started as `mlx.launch` would (MLX_RANK, MLX_HOSTFILE)."""
-    hosts = hostfile(tmp_path)
+    hosts = loopback_hostfile(tmp_path / "hosts.json")
     base = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hosts), **env}
     command = [sys.executable, str(HERE / "pipeline_ranks.py"), *map(str, args)]
     return [subprocess.Popen(command, env={**base, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,

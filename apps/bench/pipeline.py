@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from mlx_mtp import pipeline
 from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.group import launched
+from mlx_mtp.group import launched, loopback_hostfile
 from mlx_mtp.loading import load
 
 from .speed import pair_dirs
@@ -84,13 +83,7 @@ def worker(args) -> None:
 
 
 def two_ranks(args, out: Path) -> list[dict]:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    hosts = out / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    hosts = loopback_hostfile(out / "hosts.json")
     command = [sys.executable, "-m", "apps.bench.pipeline", "--worker", str(out), "--pair", args.pair,
                "--tokens", str(args.tokens), "--batch", str(args.batch), "--k", str(args.k),
                "--repeats", str(args.repeats)]
