@@ -14,6 +14,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
+from .models.quantized import adopt
 
 DRAFTER_TYPE = "gemma4_assistant"
 
@@ -119,6 +120,7 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, pr
         mode=record.get("mode", "affine"),
         class_predicate=predicate,
     )
+    adopt(model)
 
 
 def check_quantization(config: dict[str, Any], path: Path) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, NamedTuple, Optional, Protocol
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
 
@@ -123,10 +124,28 @@ class Drafter(Protocol):
         ...
 
 
+_FORCED_GPU_PATHS: Optional[bool] = None  # set by `gpu_paths`
+
+
 def fused_kernels() -> bool:
-    """True where MLX's `mx.fast` ops are single kernels (GPU). On the CPU they are split into
-    many small ops, each one dispatched, so models build cheaper equivalents there."""
+    """True where MLX's kernels are a GPU's: `mx.fast` ops are single kernels, quantized matmuls
+    are fast in any activation dtype and `gather_qmm` serves many rows. On the CPU backend models
+    build cheaper equivalents (see `models/quantized.py`). `gpu_paths` forces either answer."""
+    if _FORCED_GPU_PATHS is not None:
+        return _FORCED_GPU_PATHS
     return mx.default_device() == mx.gpu
+
+
+@contextmanager
+def gpu_paths(enabled: bool) -> Iterator[None]:
+    """Compute as on a GPU (True) or as on the CPU backend (False), whatever the device: both
+    branches give the same results, so tests run each on one machine."""
+    global _FORCED_GPU_PATHS
+    before, _FORCED_GPU_PATHS = _FORCED_GPU_PATHS, enabled
+    try:
+        yield
+    finally:
+        _FORCED_GPU_PATHS = before
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:

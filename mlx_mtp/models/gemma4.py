@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache, Step
 from .base import BaseConfig, ConfigError, TargetOutput, fused_kernels, log, rms_norm
+from .quantized import switch_glu
 
 
 @dataclasses.dataclass
@@ -288,11 +289,7 @@ class Experts(nn.Module):
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
-        w = self.switch_glu.gate_proj.weight
-        if mx.issubdtype(w.dtype, mx.floating):  # float32 where loading widened it for the backend
-            y = self.switch_glu(x.astype(w.dtype), idx).astype(x.dtype)  # (B, L, k, H)
-        else:
-            y = self.switch_glu(x, idx)
+        y = switch_glu(self.switch_glu, x, idx)  # (B, L, k, H)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
