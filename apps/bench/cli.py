@@ -1,4 +1,5 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline} [options]`
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,
+realsize} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -21,7 +22,7 @@ MODES = {
     "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),
     "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
     "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
-    "pipeline": ("pipeline", "run_pipeline_bench"),
+    "pipeline": ("pipeline", "run_pipeline_bench"), "realsize": ("realsize", "run_realsize"),
 }
 
 
@@ -161,6 +162,27 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
     h.add_argument("--quick", action="store_true", help="12 rounds, 1 repeat")
     h.set_defaults(repeats=5)
+
+    r = sub.add_parser("realsize", help="a released shape with random weights through the product: load, memory, "
+                                        "prefill, decode at B rows, MTP (oracle) vs plain, long-context K/V")
+    common(r, "realsize")
+    r.add_argument("--shape", default="26b-a4b", help="26b-a4b | 31b | e4b | e2b | tiny (the tiny MoE fixture shape)")
+    r.add_argument("--bits", type=int, default=4, choices=(4, 8), help="affine, group 64 (MoE router and dense MLP "
+                                                                       "at 8, as mlx-community's 26B-A4B)")
+    r.add_argument("--cache-dir", default=str(Path("~/.cache/mlx_mtp/realsize")),
+                   help="where the checkpoint pair is written once (<shape>-<bits>bit/{target,assistant})")
+    r.add_argument("--prefill", default="40,1000", help="prompt lengths timed to the first token")
+    r.add_argument("--batch", default="1,4,8", help="rows of plain decoding (and of the assistant-head timing)")
+    r.add_argument("--mtp-batch", default="1,4", help="rows of MTP (oracle) vs plain")
+    r.add_argument("--tokens", type=int, default=24, help="new tokens per row at B=1 (plain and MTP)")
+    r.add_argument("--batch-tokens", type=int, default=8, help="new tokens per row at B>1")
+    r.add_argument("--context", type=int, default=8, help="prompt tokens per row before decoding")
+    r.add_argument("--k", type=int, default=3, help="draft length of the MTP runs")
+    r.add_argument("--p", type=float, default=0.8, help="oracle: probability that a draft is right")
+    r.add_argument("--long-context", type=int, default=32768, help="K/V memory at this many positions (0: skip)")
+    r.add_argument("--cache-limit-gb", type=float, default=2.0, help="MLX buffer cache limit during the run")
+    r.add_argument("--seed", type=int, default=0, help="prompts")
+    r.set_defaults(repeats=3)
     return ap
 
 

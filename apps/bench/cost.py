@@ -30,7 +30,6 @@ from .report import fmt, pivot, table
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "real_configs"
-SHARED = Path("/work/shared/fixtures/real-configs")
 TINY = ROOT / "tests" / "fixtures" / "tiny"
 
 TARGETS = {"e2b": "google--gemma-4-E2B-it", "e4b": "google--gemma-4-E4B-it",
@@ -39,7 +38,7 @@ ASSISTANTS = {  # (path, provenance)
     "e2b": (CONFIGS / "google--gemma-4-E2B-it-assistant" / "config.json", "official config"),
     "e4b": (CONFIGS / "google--gemma-4-E4B-it-assistant" / "config.partial.json",
             "PARTIAL config (fields from transformers' converter)"),
-    "26b-a4b": (SHARED / "google--gemma-4-26B-A4B-it-assistant" / "config.DERIVED-UNVERIFIED.json",
+    "26b-a4b": (CONFIGS / "google--gemma-4-26B-A4B-it-assistant" / "config.DERIVED-UNVERIFIED.json",
                 "DERIVED-UNVERIFIED config (31B assistant with 26B-A4B widths)"),
     "31b": (CONFIGS / "google--gemma-4-31B-it-assistant" / "config.json", "official config"),
 }

@@ -97,20 +97,21 @@ def decode_run(gen: BatchGenerator, prompts: list, caches: list, n: int) -> dict
     """Rows continue from copies of `caches`; times the decode phase (after the first tokens)."""
     uids = [gen.insert(p[-1:], max_tokens=n, cache=c.take(0)) for p, c in zip(prompts, caches)]
     out = {u: [] for u in uids}
-    steps, begun = 0, None
+    begun, reads = None, []
     while gen.busy:
         events = gen.step()
         for e in events:
             out[e.uid] += e.tokens
         if begun is None and all(out.values()):
             begun = time.perf_counter()  # every first token is in; round 1 is queued
+            reads.append(begun)
         elif begun is not None and any(e.tokens for e in events):
-            steps += 1  # a round was read
-    seconds = time.perf_counter() - begun
+            reads.append(time.perf_counter())  # a round was read
     rows = [out[u] for u in uids]
     for u in uids:
         gen.remove(u)
-    return dict(tokens=rows, seconds=seconds, steps=steps, decoded=sum(len(r) - 1 for r in rows))
+    return dict(tokens=rows, seconds=reads[-1] - begun, steps=len(reads) - 1, decoded=sum(len(r) - 1 for r in rows),
+                step_seconds=np.diff(reads).tolist())
 
 
 def oracle_pair(name: str, seed: int):
