@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from mlx_mtp.cache import FULL
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
+from mlx_mtp.models.quantized import dequantize_rows
 from mlx_mtp.speculative import MAX_ROLLBACK
 
 from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
@@ -111,8 +113,11 @@ def _in_row_chunks(weights: dict, name: str) -> None:
 
 
 def figure(**values) -> dict:
-    """A measured figure with the machine's load average beside it."""
-    return dict(values, loadavg=round(os.getloadavg()[0], 2))
+    """A measured figure with the machine's load average and this process's peak RSS since the
+    previous figure beside it."""
+    peak = rss_gib("VmHWM")
+    reset_peak_rss()
+    return dict(values, loadavg=round(os.getloadavg()[0], 2), peak_rss_gib=round(peak, 2))
 
 
 def measure_load(base: Path, log) -> tuple:
@@ -121,8 +126,7 @@ def measure_load(base: Path, log) -> tuple:
     started = time.perf_counter()
     loaded = load(base / "target", base / "assistant")
     seconds = time.perf_counter() - started
-    res = figure(seconds=seconds, rss_gib=rss_gib(), peak_rss_gib=rss_gib("VmHWM"),
-                 mlx_active_gib=mx.get_active_memory() / 2**30)
+    res = figure(seconds=seconds, rss_gib=rss_gib(), mlx_active_gib=mx.get_active_memory() / 2**30)
     log(f"load: {seconds:.1f} s, RSS {res['rss_gib']:.2f} GiB (peak {res['peak_rss_gib']:.2f})")
     return loaded, res
 
@@ -140,7 +144,7 @@ def measure_prefill(target, lengths: list, rng, log) -> dict:
         seconds = time.perf_counter() - started
         gen.remove(uid)
         out[n] = figure(seconds=seconds, tok_s=n / seconds)
-        log(f"prefill {n} tokens: {seconds:.1f} s ({n / seconds:.2f} tok/s, load {out[n]['loadavg']})")
+        log(f"prefill {n} tokens: {seconds:.1f} s ({n / seconds:.2f} tok/s, {_at(out[n])})")
     return out
 
 
@@ -165,7 +169,7 @@ def measure_plain(target, prompts: list, caches: list, batches: list, tokens: di
                         union_mean=float(np.mean(unions)) if unions else None,
                         uniform_union=uniform_union(cfg.num_experts, cfg.top_k_experts, B) if unions else None)
         log(f"plain B={B}: {out[B]['tok_s']:.3f} tok/s ({out[B]['step_s']:.1f} s/step"
-            + (f", expert union {out[B]['union_mean']:.1f}" if unions else "") + f", load {out[B]['loadavg']})")
+            + (f", expert union {out[B]['union_mean']:.1f}" if unions else "") + f", {_at(out[B])})")
     return out
 
 
@@ -191,7 +195,7 @@ def measure_mtp(target, drafter, prompts, caches, plain: dict, k: int, p: float,
                         first_divergence=diverged, tokens=len(truths[0]))
         log(f"MTP K={k} p={p} B={B}: {out[B]['tok_s']:.3f} tok/s, {out[B]['speedup']:.2f}x plain, round = "
             f"{out[B]['round_in_plain_steps']:.2f} plain steps, equals plain: {out[B]['equals_plain']} "
-            f"(load {out[B]['loadavg']})")
+            f"({_at(out[B])})")
     return out
 
 
@@ -257,7 +261,7 @@ def measure_context(target, context: int, log, chunk: int = 4096) -> dict:
                  ring_slots=cache.tracks["sliding_attention"].capacity, ring_gib=ring_bytes / 2**30,
                  rss_growth_gib=rss_gib() - rss, decode_step_s=step_s, dtype=str(dtype).replace("mlx.core.", ""))
     log(f"context {context}: K/V cache {res['cache_gib']:.2f} GiB ({per_token / 1024:.1f} KiB/token in {len(full)} "
-        f"full layers, rings {res['ring_gib']:.3f} GiB), decode step {step_s:.1f} s (load {res['loadavg']})")
+        f"full layers, rings {res['ring_gib']:.3f} GiB), decode step {step_s:.1f} s ({_at(res)})")
     return res
 
 
@@ -273,8 +277,19 @@ def measure_heads(drafter, batches: list, repeats: int, log) -> dict:
         full = time_fn(lambda: mx.eval(mx.argmax(embed.as_linear(h), axis=-1)), repeats)
         out[B] = figure(sparse_ms=1e3 * sparse, full_ms=1e3 * full, ratio=full / sparse)
         log(f"assistant head B={B}: sparse {1e3 * sparse:.1f} ms, full {1e3 * full:.1f} ms "
-            f"({full / sparse:.1f}x, load {out[B]['loadavg']})")
+            f"({full / sparse:.1f}x, {_at(out[B])})")
     return out
+
+
+def watch_rss(limit_gib: float) -> None:
+    """Abort the process (exit status 3) once its RSS passes `limit_gib`: a shared machine."""
+    def watch():
+        while rss_gib() < limit_gib:
+            time.sleep(1.0)
+        print(f"realsize: RSS {rss_gib():.1f} GiB passed --max-rss-gb {limit_gib}; aborting", flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _ints(text: str) -> list:
@@ -285,6 +300,8 @@ def run_realsize(args, log=print) -> dict:
     if args.shape not in SHAPES:
         raise SystemExit(f"unknown shape {args.shape!r}: {', '.join(SHAPES)}")
     root = Path(args.cache_dir).expanduser()
+    if args.max_rss_gb:
+        watch_rss(args.max_rss_gb)
     info = checkpoint(args.shape, args.bits, root, log)
     mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     loaded, load_res = measure_load(Path(info["dir"]), log)
@@ -305,10 +322,9 @@ def run_realsize(args, log=print) -> dict:
     res["steps"] = measure_steps(target, drafter, _ints(args.batch), _ints(args.mtp_batch), args.k, args.repeats,
                                  rng, log)
     res["heads"] = measure_heads(drafter, _ints(args.batch), args.repeats, log)
-    res["peak_rss_gib"] = rss_gib("VmHWM")  # load excluded: measured above
     if args.long_context:
         res["long_context"] = measure_context(target, args.long_context, log)
-        res["peak_rss_with_context_gib"] = rss_gib("VmHWM")
+    res["dequantize_rows"] = dequantize_rows()
     for B, run in res["plain"].items():
         run.pop("tokens")
     res["mismatches"] = [f"MTP B={B} differs from plain from token {r['first_divergence']}"
@@ -328,12 +344,12 @@ def summary_rows(res: dict) -> list:
     """(figure, value, load average, issue 22's 26B-A4B target and whether it is met)."""
     shape, load, plain, mtp = res["shape"], res["load"], res["plain"], res["mtp"]
     t = TARGETS_26B
-    peak = max(load["peak_rss_gib"], res["peak_rss_gib"], res.get("peak_rss_with_context_gib", 0))
+    peak = max(_peaks({k: v for k, v in res.items() if k != "load"}))
     rows = [["load (target + assistant)", f"{load['seconds']:.1f} s", load["loadavg"],
              f"<= {t['load_s']:.0f} s: {_verdict(load['seconds'] <= t['load_s'], shape)}"],
             ["RSS after load / peak while loading", f"{load['rss_gib']:.2f} / {load['peak_rss_gib']:.2f} GiB",
              load["loadavg"], ""],
-            ["peak RSS after load (prefill, decode, MTP" + (", long context)" if "long_context" in res else ")"),
+            ["peak RSS after load (prefill, decode, MTP, steps" + (", long context)" if "long_context" in res else ")"),
              f"{peak:.2f} GiB", "", f"<= {t['peak_gib']:.0f} GiB: {_verdict(peak <= t['peak_gib'], shape)}"]]
     for n, r in res["prefill"].items():
         goal = f"<= {t['prefill_40_s']:.0f} s: {_verdict(r['seconds'] <= t['prefill_40_s'], shape)}" if n == 40 else ""
@@ -363,6 +379,17 @@ def summary_rows(res: dict) -> list:
                  [f"greedy MTP == plain, B={B}, {r['tokens']} tokens", "yes" if r["equals_plain"] else
                   f"**no** (from {r['first_divergence']})", "", ""]]
     return rows
+
+
+def _at(fig: dict) -> str:
+    return f"load {fig['loadavg']}, peak RSS {fig['peak_rss_gib']} GiB"
+
+
+def _peaks(tree) -> list:
+    """Every figure's peak RSS in a (nested) result."""
+    if not isinstance(tree, dict):
+        return []
+    return [tree.get("peak_rss_gib", 0.0)] + [p for v in tree.values() for p in _peaks(v)]
 
 
 def realsize_md(res: dict) -> str:
@@ -395,5 +422,5 @@ def realsize_md(res: dict) -> str:
                 f"{lc['cache_gib']:.2f} GiB ({lc['full_bytes_per_token'] / 1024:.1f} KiB per token in "
                 f"{lc['full_layers']} full layers; {lc['sliding_layers']} sliding layers' rings of {lc['ring_slots']} "
                 f"slots: {lc['ring_gib']:.3f} GiB); RSS grew {lc['rss_growth_gib']:.2f} GiB; one decode step over it "
-                f"{lc['decode_step_s']:.1f} s (load {lc['loadavg']}).", ""]
+                f"{lc['decode_step_s']:.1f} s ({_at(lc)}).", ""]
     return "\n".join(out)
