@@ -58,27 +58,25 @@ def _shares_weight(rows: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _measured_rows(rows: int = 16, repeats: int = 3) -> float:
+def _measured_rows(rows: int = 8, repeats: int = 5) -> float:
     """Per row, MLX's CPU quantized matmul costs q and an fp32 matmul g; dequantising costs d
-    once. Sharing pays from d / (q - g) rows, if the BLAS is clearly cheaper per row than the
-    quantized kernel (the reference BLAS of Linux `mlx[cpu]` wheels is not)."""
-    w, scales, biases = mx.quantize(mx.random.normal((1024, 2048), key=mx.random.key(0)), 64, 4)
+    once. Sharing pays from d / (q - g) rows if the BLAS is clearly cheaper per row than the
+    quantized kernel (the reference BLAS of Linux `mlx[cpu]` wheels is not). The fastest of
+    interleaved repeats, so a busy machine slows every candidate alike."""
+    w, scales, biases = mx.quantize(mx.random.normal((512, 2048), key=mx.random.key(0)), 64, 4)
     x = mx.random.normal((rows, 2048), key=mx.random.key(1))
     dense = mx.dequantize(w, scales, biases, 64, 4)
     mx.eval(w, scales, biases, x, dense)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
+    candidates = {"q": lambda: mx.quantized_matmul(x, w, scales, biases, True, 64, 4), "g": lambda: x @ dense.T,
+                  "d": lambda: mx.dequantize(w, scales, biases, 64, 4)}
+    best = dict.fromkeys(candidates, math.inf)
+    for _ in range(repeats):
+        for name, fn in candidates.items():
             start = time.perf_counter()
             mx.eval(fn())
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    q = best(lambda: mx.quantized_matmul(x, w, scales, biases, True, 64, 4)) / rows
-    g = best(lambda: x @ dense.T) / rows
-    d = best(lambda: mx.dequantize(w, scales, biases, 64, 4))
-    return math.ceil(d / (q - g)) if g < 0.8 * q else math.inf
+            best[name] = min(best[name], time.perf_counter() - start)
+    q, g = best["q"] / rows, best["g"] / rows
+    return max(2, math.ceil(best["d"] / (q - g))) if g < 0.8 * q else math.inf
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
@@ -97,6 +95,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optiona
         dense = mx.dequantize(w[part], scales[part], None if biases is None else biases[part], group_size, bits,
                               mode=mode)
         outs.append(x @ dense.astype(mx.float32).T)
+        # Evaluated now: MLX would otherwise schedule the dequantisations ahead of the products and
+        # hold most of them at once (a layer's experts: GBs at real size).
+        mx.eval(outs[-1])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
