@@ -87,7 +87,7 @@ def prefilled(target, prompts: list) -> list:
     caches = []
     for p in prompts:
         cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
-        target(mx.array([p[:-1]], dtype=mx.int32), cache)
+        target(mx.array([p[:-1]], dtype=mx.int32), cache, keep=0)
         mx.eval(cache.keys, cache.values, cache.offset)
         caches.append(cache)
     return caches

@@ -29,7 +29,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .base import fused_kernels
 
-CHUNK_BYTES = 256 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
+CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
 
 _forced_rows: Optional[float] = None  # set by `dequantizing_from`
 
