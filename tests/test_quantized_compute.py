@@ -151,3 +151,19 @@ def test_greedy_mtp_equals_plain_on_the_quantized_moe(quantized_moe, branch):
         mtp = [t for t, _ in generate_tokens(quantized_moe, prompt, drafter=tiny_drafter("moe"), draft_tokens=3,
                                              max_tokens=24)]
     assert mtp == plain
+
+
+def test_dequantised_weights_are_not_held_together():
+    """Forty experts each used by several rows: at most a few dequantised (fp32) copies alive at
+    once (MLX alone would schedule the dequantisations first and hold most of them)."""
+    mx.random.seed(6)
+    glu = SwitchGLU(512, 256, 40, gemma4.GeGLU())
+    nn.quantize(glu, group_size=64, bits=4)
+    x = mx.random.normal((1, 120, 512))
+    idx = mx.array(np.arange(240).reshape(1, 120, 2) % 40)  # every expert: 6 rows
+    mx.eval(glu.parameters(), x, idx)
+    one = 256 * 512 * 4  # bytes of one dequantised projection
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    run(BRANCHES[2], lambda: switch_glu(glu, x, idx))
+    assert mx.get_peak_memory() - base < 8 * one  # 120 projections were dequantised
