@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--k", type=int, default=3, help="draft length of the MTP runs")
     r.add_argument("--p", type=float, default=0.8, help="oracle: probability that a draft is right")
     r.add_argument("--long-context", type=int, default=32768, help="K/V memory at this many positions (0: skip)")
-    r.add_argument("--cache-limit-gb", type=float, default=1.0, help="MLX buffer cache limit during the run")
+    r.add_argument("--cache-limit-gb", type=float, default=0.5, help="MLX buffer cache limit during the run")
     r.add_argument("--max-rss-gb", type=float, default=17.0, help="abort once this process's RSS passes it (0: never)")
     r.add_argument("--seed", type=int, default=0, help="prompts")
     r.set_defaults(repeats=3)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -93,9 +94,13 @@ def prefilled(target, prompts: list) -> list:
     return caches
 
 
-def decode_run(gen: BatchGenerator, prompts: list, caches: list, n: int) -> dict:
-    """Rows continue from copies of `caches`; times the decode phase (after the first tokens)."""
-    uids = [gen.insert(p[-1:], max_tokens=n, cache=c.take(0)) for p, c in zip(prompts, caches)]
+def decode_run(gen: BatchGenerator, prompts: list, caches: Optional[list], n: int) -> dict:
+    """Rows continue from copies of `caches` (None: the prompts are prefilled here); times the
+    decode phase (after the first tokens)."""
+    if caches is None:
+        uids = [gen.insert(p, max_tokens=n) for p in prompts]
+    else:
+        uids = [gen.insert(p[-1:], max_tokens=n, cache=c.take(0)) for p, c in zip(prompts, caches)]
     out = {u: [] for u in uids}
     begun, reads = None, []
     while gen.busy:

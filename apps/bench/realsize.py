@@ -36,7 +36,7 @@ from mlx_mtp.speculative import MAX_ROLLBACK
 from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
 from .env import median, reset_peak_rss, rss_gib, time_fn
 from .experts import uniform_union
-from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, prefilled
+from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens
 from .report import fmt, table
 
 SHAPES = (*TARGETS, "tiny")
@@ -148,19 +148,23 @@ def measure_prefill(target, lengths: list, rng, log) -> dict:
     return out
 
 
-def expert_unions(record: list, layers: int) -> list:
-    """Distinct experts per MoE layer in each forward, from `gemma4.ROUTER_RECORD`."""
+def expert_unions(record: list, layers: int, tokens: int) -> list:
+    """Distinct experts per MoE layer in each forward of `tokens` tokens (not the prompts'), from
+    `gemma4.ROUTER_RECORD`."""
     per_forward = [record[i: i + layers] for i in range(0, len(record), layers)]
-    return [[len(np.unique(np.array(idx))) for idx in forward] for forward in per_forward]
+    return [[len(np.unique(np.array(idx))) for idx in forward] for forward in per_forward
+            if forward[0].size == tokens * forward[0].shape[-1]]
 
 
-def measure_plain(target, prompts: list, caches: list, batches: list, tokens: dict, log) -> dict:
-    """Plain greedy decoding of B rows (decode phase timed); expert unions of its forwards."""
+def measure_plain(target, prompts: list, batches: list, tokens: dict, log) -> dict:
+    """Plain greedy decoding of B rows, prompts prefilled in the run (the decode phase timed; a
+    cache per row kept across runs would hold 0.2 GiB of sliding rings per row at 26B-A4B);
+    expert unions of its forwards."""
     cfg, out = target.config, {}
     for B in batches:
         gemma4.ROUTER_RECORD = [] if cfg.enable_moe_block else None
-        run = decode_run(JoinTogether(target), prompts[:B], caches[:B], tokens[B])
-        unions = expert_unions(gemma4.ROUTER_RECORD or [], cfg.num_hidden_layers)
+        run = decode_run(JoinTogether(target), prompts[:B], None, tokens[B])
+        unions = expert_unions(gemma4.ROUTER_RECORD or [], cfg.num_hidden_layers, B)
         gemma4.ROUTER_RECORD = None
         step = median(run["step_seconds"])
         out[B] = figure(tok_s=B / step, step_s=step, mean_tok_s=run["decoded"] / run["seconds"],
@@ -173,7 +177,7 @@ def measure_plain(target, prompts: list, caches: list, batches: list, tokens: di
     return out
 
 
-def measure_mtp(target, drafter, prompts, caches, plain: dict, k: int, p: float, batches: list, log) -> dict:
+def measure_mtp(target, drafter, prompts, plain: dict, k: int, p: float, batches: list, log) -> dict:
     """MTP with the oracle (per-row truth: that row's plain output) at B rows, the real drafter's
     cost paid; the output checked against plain decoding's."""
     out = {}
@@ -183,7 +187,7 @@ def measure_mtp(target, drafter, prompts, caches, plain: dict, k: int, p: float,
                             MTPProposer(drafter, target))
         gen = JoinTogether(target, oracle, draft_tokens=k)
         oracle.start(gen, seed=0)
-        run = decode_run(gen, prompts[:B], caches[:B], len(truths[0]))
+        run = decode_run(gen, prompts[:B], None, len(truths[0]))
         diverged = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
                     for got, want in zip(run["tokens"], truths)]
         base = plain[B]
@@ -200,42 +204,57 @@ def measure_mtp(target, drafter, prompts, caches, plain: dict, k: int, p: float,
 
 
 def measure_steps(target, drafter, batches: list, mtp_batches: list, k: int, repeats: int, rng, log) -> dict:
-    """Forward costs interleaved within each repeat (the machine's load hits every case alike):
-    one decode step at B rows, a verify of K+1 tokens and one draft step at the MTP rows.
-    Ratios are medians of within-repeat ratios: B rows / one row, and a round in plain steps."""
-    cases = [(B, 1) for B in batches] + [(B, k + 1) for B in mtp_batches]
-    caches = {B: target.make_cache(B, max_rollback=MAX_ROLLBACK) for B in batches + mtp_batches}
-    hidden = {}
-    for B, cache in caches.items():  # a few random tokens per row: rows route to different experts
-        out = target(mx.array(rng.integers(4, target.vocab_size, (B, 4))), cache)
+    """Forward costs interleaved within each repeat (the machine's load hits every case alike), in
+    groups that hold few rows of K/V at once: a decode step of B rows beside one of one row, and
+    at each MTP batch a decode step, a K+1-token verify and a draft step. Ratios are medians of
+    within-repeat ratios: B rows / one row, and a round in plain steps."""
+    groups = [[(1, 1), (B, 1)] for B in batches if B != 1]
+    groups += [[(B, 1), (B, k + 1), ("draft", B)] for B in mtp_batches]
+    samples = {}
+    for group in groups:
+        for case, times in _interleaved(target, drafter, group, repeats, rng, log).items():
+            samples.setdefault(case, []).append(times)
+    one = lambda B, r: samples[(B, 1)][0][r]  # noqa: E731  (the first group that timed B rows)
+    within = lambda f: median([f(r) for r in range(repeats)])  # noqa: E731
+    return figure(
+        seconds={f"{a}x{b}": median([t for times in v for t in times]) for (a, b), v in samples.items()}, k=k,
+        rows_over_one={B: within(lambda r: B * samples[(1, 1)][i][r] / samples[(B, 1)][0][r])
+                       for i, B in enumerate(b for b in batches if b != 1)},
+        round_in_plain_steps={B: within(lambda r: (samples[(B, k + 1)][0][r] + k * samples[("draft", B)][0][r])
+                                        / samples[(B, 1)][-1][r]) for B in mtp_batches})
+
+
+def _interleaved(target, drafter, cases: list, repeats: int, rng, log) -> dict:
+    """Seconds of each case per repeat: (B, T) a forward of T random tokens per row over a few
+    cached ones, ("draft", B) one draft step; caches dropped afterwards."""
+    caches, hidden = {}, {}
+    for B in {case[1] if case[0] == "draft" else case[0] for case in cases}:
+        caches[B] = target.make_cache(B, max_rollback=MAX_ROLLBACK)
+        out = target(mx.array(rng.integers(4, target.vocab_size, (B, 4))), caches[B])
         hidden[B] = out.hidden[:, -1]
         mx.eval(out.logits, hidden[B])
 
-    def forward(B, T):
-        mx.eval(target(mx.array(rng.integers(4, target.vocab_size, (B, T))), caches[B]).logits)
-        caches[B].trim(T)
+    def run(case):
+        if case[0] == "draft":
+            B = case[1]
+            tokens = target.embed(mx.array(rng.integers(4, target.vocab_size, (B, 1))))[:, 0]
+            position = mx.array(caches[B].offsets(), dtype=mx.int32)
+            out = drafter.draft_step(tokens, hidden[B], target.shared_kv(caches[B]), position)
+            mx.eval(out.argmax(), out.hidden)
+        else:
+            B, T = case
+            mx.eval(target(mx.array(rng.integers(4, target.vocab_size, (B, T))), caches[B]).logits)
+            caches[B].trim(T)
 
-    def draft(B):
-        tokens = target.embed(mx.array(rng.integers(4, target.vocab_size, (B, 1))))[:, 0]
-        position = mx.array(caches[B].offsets(), dtype=mx.int32)
-        out = drafter.draft_step(tokens, hidden[B], target.shared_kv(caches[B]), position)
-        mx.eval(out.argmax(), out.hidden)
-
-    samples = {case: [] for case in [*cases, *(("draft", B) for B in mtp_batches)]}
+    times = {case: [] for case in cases}
     for r in range(repeats):
-        for case in samples:
+        for case in cases:
             start = time.perf_counter()
-            draft(case[1]) if case[0] == "draft" else forward(*case)
-            samples[case].append(time.perf_counter() - start)
-        log(f"  step costs, repeat {r + 1}/{repeats}: " + ", ".join(
-            f"{a}x{b} {v[-1]:.1f} s" for (a, b), v in samples.items()) + f" (load {os.getloadavg()[0]:.2f})")
-    within = lambda f: median([f(r) for r in range(repeats)])  # noqa: E731
-    one = samples[(1, 1)] if (1, 1) in samples else None
-    return figure(
-        seconds={f"{a}x{b}": median(v) for (a, b), v in samples.items()}, k=k,
-        rows_over_one={B: within(lambda r: B * one[r] / samples[(B, 1)][r]) for B in batches} if one else {},
-        round_in_plain_steps={B: within(lambda r: (samples[(B, k + 1)][r] + k * samples[("draft", B)][r])
-                                        / samples[(B, 1)][r]) for B in mtp_batches if (B, 1) in samples})
+            run(case)
+            times[case].append(time.perf_counter() - start)
+        log(f"  steps {r + 1}/{repeats}: " + ", ".join(f"{a}x{b} {v[-1]:.1f} s" for (a, b), v in times.items())
+            + f" (load {os.getloadavg()[0]:.2f})")
+    return times
 
 
 def measure_context(target, context: int, log, chunk: int = 4096) -> dict:
@@ -315,10 +334,9 @@ def run_realsize(args, log=print) -> dict:
     res["prefill"] = measure_prefill(target, _ints(args.prefill), rng, log)
     batches = sorted(set(_ints(args.batch)) | set(_ints(args.mtp_batch)))
     prompts = [rng.integers(4, target.vocab_size, args.context).tolist() for _ in range(max(batches, default=0))]
-    caches = prefilled(target, prompts)
     tokens = {B: args.tokens if B == 1 else args.batch_tokens for B in batches}
-    res["plain"] = measure_plain(target, prompts, caches, batches, tokens, log)
-    res["mtp"] = measure_mtp(target, drafter, prompts, caches, res["plain"], args.k, args.p, _ints(args.mtp_batch), log)
+    res["plain"] = measure_plain(target, prompts, batches, tokens, log)
+    res["mtp"] = measure_mtp(target, drafter, prompts, res["plain"], args.k, args.p, _ints(args.mtp_batch), log)
     res["steps"] = measure_steps(target, drafter, _ints(args.batch), _ints(args.mtp_batch), args.k, args.repeats,
                                  rng, log)
     res["heads"] = measure_heads(drafter, _ints(args.batch), args.repeats, log)
