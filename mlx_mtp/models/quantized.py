@@ -58,25 +58,36 @@ def _shares_weight(rows: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _measured_rows(rows: int = 8, repeats: int = 5) -> float:
+def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
     """Per row, MLX's CPU quantized matmul costs q and an fp32 matmul g; dequantising costs d
     once. Sharing pays from d / (q - g) rows if the BLAS is clearly cheaper per row than the
-    quantized kernel (the reference BLAS of Linux `mlx[cpu]` wheels is not). The fastest of
-    interleaved repeats, so a busy machine slows every candidate alike."""
-    w, scales, biases = mx.quantize(mx.random.normal((512, 2048), key=mx.random.key(0)), 64, 4)
-    x = mx.random.normal((rows, 2048), key=mx.random.key(1))
+    quantized kernel (the reference BLAS of Linux `mlx[cpu]` wheels is not). A weight as large
+    as a real layer's (32 MiB in fp32: dequantising a cache-resident one is several times
+    cheaper per weight); the fastest of interleaved repeats, so a busy machine slows every
+    candidate alike."""
+    key = mx.random.key(0)
+    w = mx.random.randint(0, 1 << 30, (4096, 256), key=key).astype(mx.uint32)  # 4-bit codes, packed
+    scales, biases = mx.random.uniform(shape=(2, 4096, 32), key=key)
+    x = mx.random.normal((rows, 2048), key=key)
     dense = mx.dequantize(w, scales, biases, 64, 4)
     mx.eval(w, scales, biases, x, dense)
-    candidates = {"q": lambda: mx.quantized_matmul(x, w, scales, biases, True, 64, 4), "g": lambda: x @ dense.T,
-                  "d": lambda: mx.dequantize(w, scales, biases, 64, 4)}
-    best = dict.fromkeys(candidates, math.inf)
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            mx.eval(fn())
-            best[name] = min(best[name], time.perf_counter() - start)
-    q, g = best["q"] / rows, best["g"] / rows
-    return max(2, math.ceil(best["d"] / (q - g))) if g < 0.8 * q else math.inf
+
+    def fastest(*fns) -> list:
+        best = [math.inf] * len(fns)
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                mx.eval(fn())
+                best[i] = min(best[i], time.perf_counter() - start)
+        return best
+
+    q, g = fastest(lambda: mx.quantized_matmul(x[:1], w, scales, biases, True, 64, 4), lambda: x @ dense.T)
+    g /= rows
+    if g >= 0.8 * q:
+        return math.inf
+    del dense
+    d = fastest(lambda: mx.dequantize(w, scales, biases, 64, 4))[0]
+    return max(2, math.ceil(d / (q - g)))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
