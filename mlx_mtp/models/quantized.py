@@ -7,8 +7,15 @@ fp32 ones (~50x with fp16), its cost grows with every row (no row shares a weigh
 
 - quantized layers compute with fp32 activations and return their input's dtype;
 - MoE experts group the rows by expert and run one matmul per used expert;
-- a weight that many rows use is dequantised once (fp32) and multiplied through the BLAS, where
-  the BLAS shares the weight read among rows (MKL, Accelerate): from `dequantize_rows()` rows.
+- in a prompt chunk (more than `ROW_EXACT_TOKENS` tokens per row), a weight that many rows use
+  is dequantised once (fp32) and multiplied through the BLAS, where the BLAS shares the weight
+  read among rows (MKL, Accelerate): from `dequantize_rows()` rows.
+
+A decode step or a verify (at most `ROW_EXACT_TOKENS` tokens per row) never shares a weight: a
+BLAS such as MKL rounds a row differently with the number of rows in the product, so a verify
+whose rows shared a weight would differ in the last bits from the decode steps it stands for,
+and bf16 activations and near-tied logits turn that into different tokens (greedy MTP != plain
+at B=4 on 26B-A4B). The per-row kernel computes each row alone, however many share it.
 
 Both branches give the same results to fp32 rounding; `gpu_paths` and `dequantizing_from`
 force each choice so tests run all of them on one machine.
@@ -30,6 +37,9 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from .base import fused_kernels
 
 CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
+# Forwards of at most this many tokens per row compute each row alone (decode steps and verifies:
+# speculative.K_MAX + 1 <= ROW_EXACT_TOKENS, a test holds it).
+ROW_EXACT_TOKENS = 8
 
 _forced_rows: Optional[float] = None  # set by `dequantizing_from`
 
@@ -51,7 +61,9 @@ def dequantizing_from(rows: float) -> Iterator[None]:
         _forced_rows = before
 
 
-def _shares_weight(rows: int) -> bool:
+def _shares_weight(rows: int, tokens_per_row: int) -> bool:
+    if tokens_per_row <= ROW_EXACT_TOKENS:
+        return False
     if _forced_rows is not None:
         return rows >= _forced_rows
     return rows > 1 and rows >= _measured_rows()  # one row never pays for a dequantisation: no probe
@@ -90,11 +102,16 @@ def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
     return max(2, math.ceil(d / (q - g)))
 
 
+def _tokens_per_row(x: mx.array) -> int:
+    return x.shape[-2] if x.ndim > 2 else 1
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
-                     bits: int, mode: str) -> mx.array:
-    """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32)."""
+                     bits: int, mode: str, tokens_per_row: Optional[int] = None) -> mx.array:
+    """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32). x is (..., L, D), L
+    tokens per row, or (B, D) for one token per row; `tokens_per_row` overrides L (grouped experts)."""
     x = x.astype(mx.float32)
-    if not _shares_weight(x.size // x.shape[-1]):
+    if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
         return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
     if mx.issubdtype(scales.dtype, mx.floating):  # fp32 scales: fp32 weights out of dequantize
         scales = scales.astype(mx.float32)
@@ -112,12 +129,13 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optiona
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
-def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None) -> mx.array:
+def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
+                  tokens_per_row: Optional[int] = None) -> mx.array:
     """A quantized layer's (or one expert's) product on the CPU backend, fp32."""
     pick = (lambda a: a) if expert is None else (lambda a: a[expert])
     biases = layer.get("biases")
     return quantized_matmul(x, pick(layer["weight"]), pick(layer["scales"]), None if biases is None else pick(biases),
-                            layer.group_size, layer.bits, layer.mode)
+                            layer.group_size, layer.bits, layer.mode, tokens_per_row)
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -165,7 +183,7 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> 
     """The CPU path of `switch_glu`: rows grouped by expert, one product per used expert and
     projection, so the cost follows the rows (gather_qmm's grows with their square). Reads the
     router's choice on the host: the forward waits for it here."""
-    k = idx.shape[-1]
+    k, tokens = idx.shape[-1], _tokens_per_row(idx)
     flat = np.array(idx).reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     experts, starts = np.unique(flat[order], return_index=True)
@@ -174,16 +192,16 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> 
     outs = []
     for e, start, end in zip(experts.tolist(), starts.tolist(), ends):
         xe = rows[start:end]
-        h = glu.activation(_expert(glu.up_proj, e, xe), _expert(glu.gate_proj, e, xe))
-        outs.append(_expert(glu.down_proj, e, h))
+        h = glu.activation(_expert(glu.up_proj, e, xe, tokens), _expert(glu.gate_proj, e, xe, tokens))
+        outs.append(_expert(glu.down_proj, e, h, tokens))
     y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
     return y.reshape(*idx.shape, -1)
 
 
-def _expert(layer: nn.Module, e: int, x: mx.array) -> mx.array:
-    """One expert of a (Quantized)SwitchLinear on rows x."""
+def _expert(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+    """One expert of a (Quantized)SwitchLinear on rows x (of a forward of `tokens_per_row`)."""
     if "scales" in layer:
-        y = _layer_matmul(layer, x, e)
+        y = _layer_matmul(layer, x, e, tokens_per_row)
     else:
         y = x @ layer["weight"][e].T
     if "bias" in layer:
