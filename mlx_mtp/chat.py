@@ -148,7 +148,7 @@ class Completion:
     """--raw: each message is completed as plain text, with no chat template and no history.
     It offers what the REPL uses of a `Conversation`."""
 
-    cache = None  # each completion starts from an empty cache
+    prefix_cache = None  # each completion starts from an empty cache
 
     def __init__(self, loaded):
         self.loaded = loaded
@@ -192,12 +192,15 @@ def say_if_cut(session) -> None:
 
 def details(conv: Conversation) -> str:
     memory = "KV cache: empty"
-    if conv.cache is not None:
-        memory = f"KV cache: {conv.cached} tokens, {conv.cache.nbytes / 2**20:.1f} MiB"
+    kept = conv.prefix_cache
+    if kept is not None and kept.checkpoints:
+        memory = (f"KV cache: {kept.lookup(conv.tokens)} tokens of the conversation kept, "
+                  f"{kept.nbytes / 2**20:.1f} MiB ({kept.checkpoints} states)")
     if conv.last_stats is None:
         return f"no reply yet\n{memory}"
     s = conv.last_stats
-    prompt = f"prompt: {s.prompt_tokens} tokens fed, {s.prompt_tps:.0f} tok/s"
+    prompt = (f"prompt: {s.prompt_tokens} tokens fed ({s.prompt_tps:.0f} tok/s), "
+              f"{s.cached_tokens} reused from the cache")
     return f"last reply: {s.summary()}\n{prompt}\n{memory}"
 
 

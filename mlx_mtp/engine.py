@@ -10,8 +10,10 @@ callers on any thread submit requests and read each request's events from its ow
 The worker is an admission loop around one `BatchGenerator`: between rounds it admits queued
 requests (up to `max_batch` rows, first in first out, while their KV cache fits the memory
 limit), cancels what was cancelled, runs one step (a prompt chunk and a speculative round for
-every row), delivers the events, and retires finished rows. A conversation runs one request
-at a time; its KV cache goes into the batch with its request and comes back after.
+every row), delivers the events, and retires finished rows. Every request starts from the
+deepest state of the engine's prefix cache that its prompt shares, and leaves its own there
+(`PrefixCache`); a conversation is a client that pins the states of its latest turn, and runs
+one request at a time.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .batch import BatchGenerator, Left
+from .batch import BatchGenerator
 from .cache import FULL, SLIDING
-from .conversation import Conversation, Turn
+from .conversation import Conversation, Turn, turn_boundaries
 from .generate import Detokenizer, encode
+from .prefix_cache import PrefixCache, token_bytes
 from .sample import SamplingParams
 from .speculative import MAX_ROLLBACK, check_draft_tokens
 from .stats import Stats
@@ -211,22 +214,31 @@ class Engine:
         max_batch: rows generated together; more requests wait (first in, first out).
         max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
         prefill_chunk: prompt tokens processed per round.
-        memory_limit: bytes the batch's KV cache may take (default: half the device memory).
+        memory_limit: bytes the batch's KV cache and the prefix cache may take together (default:
+            half the device memory); the prefix cache gives way to rows.
         draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
+        prompt_cache_bytes: the prefix cache's budget (default: a quarter of `memory_limit`, at
+            most 8 GiB); 0 turns it off (conversations still keep their latest turn).
 
-    Conversations live in the engine and share the model; each has its own KV cache, freed by
-    `close_conversation`. Cancelling a conversation request keeps the partial reply in the
-    conversation, exactly as streamed (the DoneEvent's `tokens`); a failed request leaves the
-    conversation as it was.
+    Conversations live in the engine and share the model; the states of each one's latest turn
+    stay in the prefix cache until `close_conversation`. Cancelling a conversation request keeps
+    the partial reply in the conversation, exactly as streamed (the DoneEvent's `tokens`); a
+    failed request leaves the conversation as it was.
     """
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
-                 memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto"):
+                 memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto",
+                 prompt_cache_bytes: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
         self.max_batch, self.max_queue = max_batch, max_queue
         self.memory_limit = memory_limit if memory_limit is not None else _device_memory() // 2
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = min(self.memory_limit // 4, 8 << 30)
+        if prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
+        self.prompt_cache_bytes = prompt_cache_bytes
         self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -276,14 +288,16 @@ class Engine:
         """Forget a conversation's turns once the requests queued before this call have run."""
         with self._lock:
             self._check_open()
-            self._inbox.put(_Command(conversation_id, self._conversation(conversation_id).reset))
+            conversation = self._conversation(conversation_id)
+            self._inbox.put(_Command(conversation_id, lambda: self._forget(conversation)))
 
     def close_conversation(self, conversation_id: int) -> None:
-        """Forget a conversation; requests already queued for it still run, then its cache is freed."""
+        """Forget a conversation; requests already queued for it still run, then its states are
+        released (left to the prefix cache's budget)."""
         with self._lock:
             self._check_open()
             conversation = self._conversations.pop(self._check_id(conversation_id))
-            self._inbox.put(_Command(conversation_id, conversation.reset))
+            self._inbox.put(_Command(conversation_id, lambda: self._forget(conversation)))
 
     def messages(self, conversation_id: int) -> list[dict]:
         """A copy of a conversation's messages as of now."""
@@ -333,7 +347,8 @@ class Engine:
 
     def _run(self) -> None:
         mark_mlx_thread()
-        self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+        self._prefix = PrefixCache(self.loaded.target, self.prompt_cache_bytes)
+        self._gen = self._generator()
         self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
         try:
             while self._take_inbox():
@@ -343,7 +358,8 @@ class Engine:
                     self._step()
             for uid, run in list(self._running.items()):  # closing: end what still runs
                 done = DoneEvent("cancelled", "".join(run.text), tuple(run.tokens), Stats())
-                self._end(uid, run, done, left=self._gen.remove(uid))
+                self._gen.remove(uid)
+                self._end(uid, run, done)
         except BaseException as e:  # a bug in the loop itself: fail every waiting request
             with self._lock:
                 self._closed = True
@@ -353,7 +369,15 @@ class Engine:
             raise
         finally:
             with self._lock:
-                self._conversations.clear()  # free the caches on this thread
+                self._conversations.clear()
+            self._prefix.clear()  # free the cached states on this thread
+
+    def _generator(self) -> BatchGenerator:
+        return BatchGenerator(self.loaded.target, self.loaded.drafter, prefix_cache=self._prefix, **self._options)
+
+    def _forget(self, conversation: Conversation) -> None:
+        conversation.reset()
+        self._gen.release(conversation.key)
 
     def _take_inbox(self) -> bool:
         """Move new requests and commands to the waiting line; block only when idle."""
@@ -401,26 +425,28 @@ class Engine:
                 raise KeyError(f"conversation {request.conversation} was closed")
             if conversation is not None:
                 turn = conversation.prepare(request.prompt, request.max_tokens)
-                need = self._need(len(turn.prompt) + turn.max_tokens)
+                prompt, boundaries, max_tokens = turn.prompt, turn.boundaries, turn.max_tokens
             else:
-                prompt = self._prompt(request)
-                need = self._need(len(prompt) + request.max_tokens)
+                prompt, boundaries = self._prompt(request)
+                max_tokens = request.max_tokens
+            need = self._need(len(prompt) + max_tokens)
             if need > self.memory_limit:
                 raise MemoryLimitError(f"the KV cache of this request ({need / 2**30:.2f} GiB) exceeds the "
                                        f"engine's memory limit ({self.memory_limit / 2**30:.2f} GiB)")
-            if self._running and self._batch_need(need) > self.memory_limit:
+            if not self._room(need):
                 if turn is not None:
-                    conversation.end(turn, [], _give_back(turn))
+                    conversation.end(turn, [])
                 return False
             options = dict(sampling=request.sampling, seed=request.seed, mtp=request.mtp,
                            draft_tokens=request.draft_tokens)
             if turn is not None:
                 uid = conversation.insert(self._gen, turn, **options)
             else:
-                uid = self._gen.insert(prompt, max_tokens=request.max_tokens, stop_ids=self.loaded.eos_ids, **options)
+                uid = self._gen.insert(prompt, max_tokens=max_tokens, stop_ids=self.loaded.eos_ids,
+                                       boundaries=boundaries, **options)
         except Exception as e:
             if turn is not None:
-                conversation.end(turn, [], _give_back(turn))
+                conversation.end(turn, [])
             handle._finish(ErrorEvent(e))
             return True
         self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
@@ -428,12 +454,22 @@ class Engine:
             self._gen.cancel(uid)
         return True
 
-    def _prompt(self, request: Request) -> list[int]:
+    def _room(self, need: int) -> bool:
+        """Whether a row needing `need` bytes fits beside the running ones: the prefix cache
+        gives up what nobody pins to make room."""
+        rows = self._batch_need(need) if self._running else need
+        if rows + self._prefix.nbytes > self.memory_limit:
+            self._gen.trim_prefix_cache(max(self.memory_limit - rows, 0))
+        return not self._running or rows + self._prefix.nbytes <= self.memory_limit
+
+    def _prompt(self, request: Request) -> tuple[list[int], list[int]]:
+        """A one-shot request's prompt, and where its turns end (for the prefix cache)."""
         if request.messages is None:
-            return encode(self.loaded, request.prompt)
+            return encode(self.loaded, request.prompt), []
         if self.loaded.tokenizer is None:
             raise ValueError("`messages` need a tokenizer: the model directory has none")
-        return list(self.loaded.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True))
+        prompt = list(self.loaded.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True))
+        return prompt, turn_boundaries(prompt, self.loaded.eos_ids)
 
     def _need(self, tokens: int) -> int:
         return (tokens + MAX_ROLLBACK) * self._token_bytes + self._ring_bytes
@@ -455,8 +491,9 @@ class Engine:
         except Exception as e:  # the batch's state is unknown now: fail its rows, start afresh
             log.exception("a generation step failed")
             for uid, run in list(self._running.items()):
-                self._end(uid, run, ErrorEvent(e), left=None)
-            stats, self._gen = self._gen.stats, BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+                self._end(uid, run, ErrorEvent(e))
+            self._prefix.clear()  # it may hold half a state of the failed step
+            stats, self._gen = self._gen.stats, self._generator()
             self._gen.stats = stats  # counters never go back
             return
         for event in events:
@@ -470,14 +507,15 @@ class Engine:
             if event.finish_reason:
                 done = DoneEvent(event.finish_reason, "".join(run.text), tuple(run.tokens),
                                  dataclasses.replace(event.stats))
-                self._end(event.uid, run, done, left=self._gen.remove(event.uid))
+                self._gen.remove(event.uid)
+                self._end(event.uid, run, done)
         self._update_counts()
 
-    def _end(self, uid: int, run: _Running, event: Event, left) -> None:
+    def _end(self, uid: int, run: _Running, event: Event) -> None:
         del self._running[uid]
         if run.conversation is not None:
             with self._lock:
-                run.conversation.end(run.turn, run.tokens, left)
+                run.conversation.end(run.turn, run.tokens)
         run.handle._finish(event)
         with self._lock:
             self._live.discard(run.handle)
@@ -495,6 +533,10 @@ class Engine:
                 spec_draft_tokens=s.drafted,
                 spec_accepted_tokens=s.accepted,
                 spec_accepted_per_pos=list(s.accepted_at),
+                prefix_cache_queries=self._prefix.stats.queries,
+                prefix_cache_hits=self._prefix.stats.hits,
+                prefix_cache_bytes=self._prefix.nbytes,
+                prefix_cache_states=self._prefix.checkpoints,
                 peak_memory_bytes=mx.get_peak_memory(),
             )
 
@@ -506,25 +548,10 @@ class Engine:
             log.exception("engine command %r failed", command)
 
 
-def _give_back(turn: Turn) -> Left:
-    """What a turn that never ran leaves: the cache as it was handed over."""
-    return Left(turn.cache, turn.keep, None)
-
-
 def _kv_bytes(target) -> tuple[int, int]:
     """(bytes per token of the full-attention layers, bytes of the sliding rings) for one row."""
-    cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
-    cfg = target.config
-    itemsize = target.embed(mx.array([[0]])).dtype.size
-    full = ring = 0
-    ring_slots = cache.tracks[SLIDING].capacity
-    for i, kind in enumerate(cache.layer_types):
-        per_token = 2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * itemsize
-        if kind == FULL:
-            full += per_token
-        else:
-            ring += per_token * ring_slots
-    return full, ring
+    per_token = token_bytes(target)
+    return per_token[FULL], per_token[SLIDING] * target.make_cache(1, max_rollback=MAX_ROLLBACK).tracks[SLIDING].capacity
 
 
 def _device_memory() -> int:

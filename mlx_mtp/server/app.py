@@ -261,7 +261,7 @@ async def deltas(job: Job, events: EventStream, outcome: Outcome) -> AsyncIterat
         break
     stats = event.stats if event.kind == "done" else None
     outcome.finish_reason = finish
-    outcome.usage = protocol.usage(stats.prompt_tokens if stats else 0, n_tokens)
+    outcome.usage = protocol.usage(stats, n_tokens)
     outcome.timings = protocol.timings(stats) if stats else None
 
 

@@ -31,10 +31,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="draft length for requests that do not send `draft_tokens`")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="larger request bodies get 413")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--prompt-cache-bytes", type=int, metavar="N",
+                       help="prefix cache budget in bytes: a request prefills only what no earlier one "
+                            "computed (default: a quarter of the KV memory limit, at most 8 GiB; 0: off)")
+    cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.prompt_cache_gb is not None:
+        args.prompt_cache_bytes = int(args.prompt_cache_gb * 2**30)
+    if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
+        ap.error("the prompt cache budget must be >= 0 (0 turns it off)")
+    return args
 
 
 def load_model(args):
@@ -74,10 +84,13 @@ def main(argv=None) -> int:
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue) as engine:
+        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
+                    prompt_cache_bytes=args.prompt_cache_bytes) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
-            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp})", file=sys.stderr,
-                  flush=True)
+            cache = f"prefix cache {engine.prompt_cache_bytes / 2**30:.2f} GiB" if engine.prompt_cache_bytes else \
+                "prefix cache off"
+            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
+                  file=sys.stderr, flush=True)
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)

@@ -17,6 +17,10 @@ METRICS = [
     ("spec_drafts", "spec_decode_num_drafts_total", "counter", "Verify forwards that carried drafts."),
     ("spec_draft_tokens", "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     ("spec_accepted_tokens", "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("prefix_cache_queries", "prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits_total", "counter", "Prompt tokens restored from the prefix cache."),
+    ("prefix_cache_bytes", "prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds."),
+    ("prefix_cache_states", "prefix_cache_states", "gauge", "States the prefix cache can restore."),
 ]
 PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 

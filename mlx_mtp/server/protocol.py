@@ -223,17 +223,22 @@ def _number(body: dict, name: str, default: float, low: float, high: Optional[fl
 # ---- answers -----------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(stats: Optional[Stats], completion_tokens: int) -> dict:
+    """OpenAI's usage: the whole prompt, of which `cached_tokens` came from the prefix cache."""
+    cached = stats.cached_tokens if stats else 0
+    prompt_tokens = stats.prompt_tokens + cached if stats else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def timings(stats: Stats) -> dict:
     """llama.cpp's `timings`: the engine's work on this request, speculative counts included.
+    `prompt_n` counts the prompt tokens prefilled, `cache_n` those restored from the prefix cache;
     `predicted_per_second` counts the tokens after the first (which comes out of the prefill)."""
     prompt_ms, predicted_ms = stats.prompt_seconds * 1000, stats.decode_seconds * 1000
     return {
-        "prompt_n": stats.prompt_tokens, "prompt_ms": prompt_ms,
+        "cache_n": stats.cached_tokens, "prompt_n": stats.prompt_tokens, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / stats.prompt_tokens if stats.prompt_tokens else 0.0,
         "prompt_per_second": stats.prompt_tps,
         "predicted_n": stats.emitted, "predicted_ms": predicted_ms,
