@@ -250,3 +250,17 @@ def test_a_failed_or_cancelled_request_leaves_nothing_wrong_behind(loaded):
     with Engine(loaded, prompt_cache_bytes=0) as engine:
         fresh = engine.submit(Request(messages=base, max_tokens=30)).result(WAIT)
     assert again.tokens == later.tokens == fresh.tokens and later.stats.cached_tokens > 0
+
+
+def test_with_the_cache_off_only_conversations_keep_their_turn(loaded):
+    with Engine(loaded, prompt_cache_bytes=0) as engine:
+        chat = engine.new_conversation(system=SYSTEM)
+        turns = [engine.submit(Request(text, conversation=chat, max_tokens=8)).result(WAIT) for text in ("hi", "go on")]
+        one_shot = [engine.submit(Request(messages=[{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "hi"}], max_tokens=8)).result(WAIT)
+                    for _ in range(2)]
+        kept = engine.metrics()["prefix_cache_bytes"]
+        engine.close_conversation(chat)
+        engine.submit(Request("x", max_tokens=1)).result(WAIT)  # the close runs before it
+        assert engine.metrics()["prefix_cache_bytes"] == 0 < kept
+    assert turns[1].stats.cached_tokens > len(SYSTEM) and [s.stats.cached_tokens for s in one_shot] == [0, 0]

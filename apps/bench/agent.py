@@ -88,6 +88,7 @@ def session(url: str, system: str, tag: int, args, context: int, tokenizer, seed
             body["seed"] = seed + call
         reply = stream(url, "/v1/chat/completions", body, timeout=3600)
         usage, timings = reply.usage, reply.timings
+        reply.ttft = reply.ttft if reply.ttft is not None else reply.seconds  # a reply with no text
         records.append(dict(prompt=usage["prompt_tokens"], cached=usage["prompt_tokens_details"]["cached_tokens"],
                             prefilled=timings["prompt_n"], prefill_ms=timings["prompt_ms"], ttft_ms=1000 * reply.ttft,
                             reply=reply.text))
