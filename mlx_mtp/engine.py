@@ -20,13 +20,13 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import threading
 from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from . import memory
 from .batch import BatchGenerator, Left
 from .cache import FULL, SLIDING
 from .conversation import Conversation, Turn
@@ -211,13 +211,14 @@ class Engine:
         max_batch: rows generated together; more requests wait (first in, first out).
         max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
         prefill_chunk: prompt tokens processed per round.
-        memory_limit: bytes the batch's KV cache may take (default: half the device memory).
+        memory_limit: bytes the batch's KV cache may take (default: `self.memory.kv_limit`, half of
+            what the weights leave of the device's memory; see `mlx_mtp.memory`).
         draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
 
     Conversations live in the engine and share the model; each has its own KV cache, freed by
     `close_conversation`. Cancelling a conversation request keeps the partial reply in the
     conversation, exactly as streamed (the DoneEvent's `tokens`); a failed request leaves the
-    conversation as it was.
+    conversation as it was. While the engine runs, the model's buffers stay wired on a Mac.
     """
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
@@ -226,7 +227,9 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.memory_limit = memory_limit if memory_limit is not None else _device_memory() // 2
+        self.memory = memory.plan(loaded.target, loaded.drafter)
+        log.info("%s", self.memory.describe())
+        self.memory_limit = memory_limit if memory_limit is not None else self.memory.kv_limit
         self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -333,6 +336,11 @@ class Engine:
 
     def _run(self) -> None:
         mark_mlx_thread()
+        # Wired for the engine's life, as mlx-lm's server does, not per request: they come any time.
+        with memory.generating(self.loaded.target, self.loaded.drafter):
+            self._serve()
+
+    def _serve(self) -> None:
         self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
         self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
         try:
@@ -495,7 +503,7 @@ class Engine:
                 spec_draft_tokens=s.drafted,
                 spec_accepted_tokens=s.accepted,
                 spec_accepted_per_pos=list(s.accepted_at),
-                peak_memory_bytes=mx.get_peak_memory(),
+                **memory.usage(),
             )
 
     @staticmethod
@@ -526,9 +534,3 @@ def _kv_bytes(target) -> tuple[int, int]:
             ring += per_token * ring_slots
     return full, ring
 
-
-def _device_memory() -> int:
-    try:
-        return int(mx.device_info()["memory_size"])
-    except Exception:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

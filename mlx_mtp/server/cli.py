@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     try:
         with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
+            print(engine.memory.describe(), file=sys.stderr)
             print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp})", file=sys.stderr,
                   flush=True)
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.

@@ -17,6 +17,9 @@ METRICS = [
     ("spec_drafts", "spec_decode_num_drafts_total", "counter", "Verify forwards that carried drafts."),
     ("spec_draft_tokens", "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     ("spec_accepted_tokens", "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("active_memory_bytes", "memory_active_bytes", "gauge", "Bytes of MLX arrays alive."),
+    ("cache_memory_bytes", "memory_cache_bytes", "gauge", "Bytes MLX keeps in its buffer cache for reuse."),
+    ("peak_memory_bytes", "memory_peak_bytes", "gauge", "Most bytes of MLX arrays alive at once."),
 ]
 PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 
