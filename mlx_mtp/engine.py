@@ -218,7 +218,8 @@ class Engine:
     Conversations live in the engine and share the model; each has its own KV cache, freed by
     `close_conversation`. Cancelling a conversation request keeps the partial reply in the
     conversation, exactly as streamed (the DoneEvent's `tokens`); a failed request leaves the
-    conversation as it was. While the engine runs, the model's buffers stay wired on a Mac.
+    conversation as it was. While the engine runs, the model's buffers stay wired on a Mac;
+    `engine.memory` is the memory plan (device, defaults) it started from.
     """
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
@@ -296,7 +297,8 @@ class Engine:
     def metrics(self) -> dict:
         """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
         with self._lock:
-            return dict(self._metrics)
+            counters = dict(self._metrics)
+        return {**counters, **memory.usage()}  # MLX's allocator counters: any thread may read them
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Cancel what is queued or running, stop the worker and wait for it."""
@@ -503,7 +505,6 @@ class Engine:
                 spec_draft_tokens=s.drafted,
                 spec_accepted_tokens=s.accepted,
                 spec_accepted_per_pos=list(s.accepted_at),
-                **memory.usage(),
             )
 
     @staticmethod

@@ -56,6 +56,11 @@ class Device:
         """Bytes MLX should stay within on this device."""
         return self.working_set or self.memory
 
+    @property
+    def wires(self) -> bool:
+        """Whether generation wires buffers here: a GPU with a recommended working set (Metal)."""
+        return self.gpu and self.working_set is not None
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
@@ -78,14 +83,11 @@ class MemoryPlan:
         d = self.device
         limits = "wired and buffer cache limits left alone (CPU)"
         if self.wired_limit is not None:
-            limits = (f"wired limit {gib(self.wired_limit)}, buffer cache limit {gib(self.cache_limit)} "
+            limits = (f"wired limit {size(self.wired_limit)}, buffer cache limit {size(self.cache_limit)} "
                       "while generating")
-        working_set = f", working set {gib(d.working_set)}" if d.working_set else ""
-        line = (f"memory: {d.name}, {gib(d.memory)}{working_set}; weights {gib(self.model_bytes)}; "
-                f"KV cache limit {gib(self.kv_limit)}, prefix cache {gib(self.prefix_cache)}; {limits}")
-        if self.tight:
-            line += f"; warning: the weights take over {TIGHT:.0%} of {gib(d.budget)}, expect paging"
-        return line
+        working_set = f", working set {size(d.working_set)}" if d.working_set else ""
+        return (f"memory: {d.name}, {size(d.memory)}{working_set}; weights {size(self.model_bytes)}; "
+                f"KV cache limit {size(self.kv_limit)}, prefix cache {size(self.prefix_cache)}; {limits}")
 
 
 def plan(*models, device: Optional[Device] = None) -> MemoryPlan:
@@ -95,9 +97,10 @@ def plan(*models, device: Optional[Device] = None) -> MemoryPlan:
     # At least an eighth of the budget, so a model that fills the device runs (slowly) rather
     # than refusing every request.
     room = max(device.budget - weights, device.budget // 8)
-    gpu = device.gpu and device.working_set is not None
-    return MemoryPlan(device, weights, kv_limit=room // 2, prefix_cache=room // 4,
-                      wired_limit=device.working_set if gpu else None, cache_limit=room // 8 if gpu else None)
+    if not device.wires:
+        return MemoryPlan(device, weights, room // 2, room // 4, wired_limit=None, cache_limit=None)
+    return MemoryPlan(device, weights, room // 2, room // 4, wired_limit=device.working_set,
+                      cache_limit=room // 8)
 
 
 def nbytes(model) -> int:
@@ -113,6 +116,7 @@ _lock = threading.Lock()
 _depth = 0  # open `generating` blocks, on any thread
 _active: Optional[MemoryPlan] = None  # the plan they applied
 _saved: tuple = ()  # (wired, cache) limits to restore
+_warned = False
 
 
 @contextlib.contextmanager
@@ -130,16 +134,20 @@ def generating(*models) -> Iterator[None]:
 
 
 def _enter(models) -> bool:
-    global _depth, _active, _saved
+    global _depth, _active, _saved, _warned
+    device = Device.current()
+    if not device.wires:
+        return False
     with _lock:
         if _depth == 0:
-            p = plan(*models)
-            if p.wired_limit is None:
-                return False
-            if p.tight:
-                log.warning("%s", p.describe())
+            p = plan(*models, device=device)
+            if p.tight and not _warned:
+                _warned = True
+                log.warning("the weights (%s) take over %d%% of the recommended working set (%s): expect "
+                            "them to be paged, and slow generation", size(p.model_bytes), 100 * TIGHT,
+                            size(p.wired_limit))
             _saved = (_set_wired_limit(p.wired_limit), mx.set_cache_limit(p.cache_limit))
-            _active = p
+            _active = p if _saved[0] is not None else dataclasses.replace(p, wired_limit=None)
         _depth += 1
         return True
 
@@ -164,7 +172,7 @@ def _set_wired_limit(limit: int) -> Optional[int]:
     try:
         return mx.set_wired_limit(limit)
     except (RuntimeError, ValueError) as e:
-        log.warning("could not wire %s for the model, generating unwired: %s", gib(limit), e)
+        log.warning("could not wire %s for the model, generating unwired: %s", size(limit), e)
         return None
 
 
@@ -185,17 +193,14 @@ def usage() -> dict[str, int]:
 def usage_line() -> str:
     u = usage()
     wired = wired_limit()
-    held = f"wired limit {gib(wired)}" if wired is not None else "nothing wired"
-    return (f"memory: active {mib(u['active_memory_bytes'])}, buffer cache {mib(u['cache_memory_bytes'])}, "
-            f"peak {mib(u['peak_memory_bytes'])}; {held}")
+    held = f"wired limit {size(wired)}" if wired is not None else "nothing wired"
+    return (f"memory: active {size(u['active_memory_bytes'])}, buffer cache {size(u['cache_memory_bytes'])}, "
+            f"peak {size(u['peak_memory_bytes'])}; {held}")
 
 
-def gib(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / GiB:.1f} GiB"
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def size(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _physical_memory() -> int:

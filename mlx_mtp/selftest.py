@@ -191,12 +191,12 @@ def header(forced: Optional[bool]) -> list[str]:
     mac = platform.mac_ver()[0]
     system = f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
     kernels = "mx.fast (fused)" if fused_kernels() else "compiled MLX ops (unfused)"
-    wired = f"{memory.gib(d.working_set)} while generating" if d.working_set else "left alone (CPU)"
-    working_set = f", recommended working set {memory.gib(d.working_set)}" if d.working_set else ""
+    wired = f"{memory.size(d.working_set)} while generating" if d.working_set else "left alone (CPU)"
+    working_set = f", recommended working set {memory.size(d.working_set)}" if d.working_set else ""
     return [
         f"mlx_mtp {__version__}, mlx {mx.__version__}, Python {platform.python_version()}, {system} "
         f"({platform.machine()})",
-        f"device:  {d.name}, memory {memory.gib(d.memory)}{working_set}",
+        f"device:  {d.name}, memory {memory.size(d.memory)}{working_set}",
         f"kernels: RoPE/RMSNorm {kernels}{' (forced)' if forced is not None else ''}; "
         "reference: the CPU stream, unfused",
         f"wired:   {wired}",

@@ -92,17 +92,20 @@ def test_defaults_follow_the_cpu_memory(device, calls, loaded):
     assert "left alone (CPU)" in plan.describe()
 
 
-def test_a_model_that_fills_the_device_still_gets_room_and_a_warning():
+def test_a_model_that_fills_the_device_still_gets_room_and_a_warning(device, calls, caplog, monkeypatch):
     class Big(nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = mx.zeros((15 * 2**14, 2**14))  # 15 GiB of float32, lazy: never allocated
 
-    small_mac = memory.Device("gpu (Apple M1)", True, 16 * GiB, 11 * GiB)
-    plan = memory.plan(Big(), device=small_mac)
+    device({**MAC, "memory_size": 16 * GiB, "max_recommended_working_set_size": 11 * GiB}, gpu=True)
+    plan = memory.plan(Big())
     assert plan.model_bytes == 15 * GiB and plan.tight
     assert plan.kv_limit == 11 * GiB // 8 // 2  # at least an eighth of the working set is left
-    assert "warning: the weights take over 90%" in plan.describe()
+    monkeypatch.setattr(memory, "_warned", False)  # once per process
+    with memory.generating(Big()):
+        pass
+    assert "take over 90% of the recommended working set (11.0 GiB)" in caplog.text
 
 
 def test_limits_are_set_and_restored_around_generation_on_a_gpu(device, calls, loaded):
@@ -138,9 +141,14 @@ def test_limits_are_left_alone_on_the_cpu(device, calls, loaded):
 
 
 def test_metrics_report_mlx_memory(loaded):
+    def page(client) -> tuple:
+        values = parse(client.get("/metrics").text)
+        return tuple(values[f"mlx_mtp:memory_{k}_bytes"] for k in ("active", "cache", "peak"))
+
     with Engine(loaded) as engine:
+        client = TestClient(create_app(engine, Settings(served_model(loaded, "tiny"))))
+        before = page(client)  # live figures, before any request too
         engine.submit(Request(prompt=[5, 6, 7], max_tokens=4)).result(60)
-        app = create_app(engine, Settings(served_model(loaded, "tiny")))
-        page = parse(TestClient(app).get("/metrics").text)
-    active, cache, peak = (page[f"mlx_mtp:memory_{k}_bytes"] for k in ("active", "cache", "peak"))
+        active, cache, peak = page(client)
+    assert before[0] >= memory.nbytes(loaded.target) and before[2] >= before[0]
     assert active >= memory.nbytes(loaded.target) and peak >= active and cache >= 0
