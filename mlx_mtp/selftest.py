@@ -246,7 +246,9 @@ def run(names: Optional[list[str]] = None, kernels: str = "auto") -> tuple[bool,
 
 def parse_args(argv=None) -> argparse.Namespace:
     names = [p.name for p in pairs()]
-    ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.selftest"), description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.selftest"), description="Check that MLX on this "
+                                 "machine runs mlx_mtp right (the default device against the CPU, greedy MTP "
+                                 "against plain decoding) and time it; paste the output into bug reports.")
     ap.add_argument("--pairs", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated subset of {','.join(names)} (default: all)")
     ap.add_argument("--kernels", choices=list(KERNELS), default="auto",
