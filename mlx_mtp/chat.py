@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
-from . import pipeline
+from . import memory, pipeline
 from .cli import prog_name
 from .conversation import Conversation
 from .generate import ContextLengthError, Event, stream_generate
@@ -191,17 +191,18 @@ def say_if_cut(session) -> None:
 
 
 def details(conv: Conversation) -> str:
-    memory = "KV cache: empty"
+    kv = "KV cache: empty"
     kept = conv.prefix_cache
     if kept is not None and kept.checkpoints:
-        memory = (f"KV cache: {kept.lookup(conv.tokens)} tokens of the conversation kept, "
-                  f"{kept.nbytes / 2**20:.1f} MiB ({kept.checkpoints} states)")
+        kv = (f"KV cache: {kept.lookup(conv.tokens)} tokens of the conversation kept, "
+              f"{kept.nbytes / 2**20:.1f} MiB ({kept.checkpoints} states)")
+    held = f"{kv}\n{memory.usage_line()}"
     if conv.last_stats is None:
-        return f"no reply yet\n{memory}"
+        return f"no reply yet\n{held}"
     s = conv.last_stats
     prompt = (f"prompt: {s.prompt_tokens} tokens fed ({s.prompt_tps:.0f} tok/s), "
               f"{s.cached_tokens} reused from the cache")
-    return f"last reply: {s.summary()}\n{prompt}\n{memory}"
+    return f"last reply: {s.summary()}\n{prompt}\n{held}"
 
 
 def answer(conv: Conversation, text: str, options: dict) -> None:
@@ -285,10 +286,12 @@ def main(argv=None) -> int:
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    if group is None:
-        return talk(conv, args, sampling, banner)
-    print(loaded.target.pipeline.describe(), file=sys.stderr)
-    return pipeline.run(loaded, group, lambda: talk(conv, args, sampling, banner)) or 0
+    # The model stays wired for the session: a chat exists to generate, like a server.
+    with memory.generating(loaded.target, loaded.drafter):
+        if group is None:
+            return talk(conv, args, sampling, banner)
+        print(loaded.target.pipeline.describe(), file=sys.stderr)
+        return pipeline.run(loaded, group, lambda: talk(conv, args, sampling, banner)) or 0
 
 
 def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int:
@@ -296,6 +299,7 @@ def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int
     options = dict(max_tokens=args.max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
                    mtp=not args.no_mtp, seed=args.seed)
     print(banner, file=sys.stderr)
+    print(memory.plan(conv.loaded.target, conv.loaded.drafter).describe(), file=sys.stderr)
     if args.prompt is not None:
         try:
             answer(conv, args.prompt, options)

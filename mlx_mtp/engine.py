@@ -22,13 +22,11 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import threading
 from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
 
-import mlx.core as mx
-
+from . import memory
 from .batch import BatchGenerator
 from .cache import FULL, SLIDING
 from .conversation import Conversation, Turn, turn_boundaries
@@ -215,15 +213,18 @@ class Engine:
         max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
         prefill_chunk: prompt tokens processed per round.
         memory_limit: bytes the batch's KV cache and the prefix cache may take together (default:
-            half the device memory); the prefix cache gives way to rows.
+            `self.memory.kv_limit`, half of what the weights leave of the device's memory; see
+            `mlx_mtp.memory`); the prefix cache gives way to rows.
         draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
-        prompt_cache_bytes: the prefix cache's budget (default: a quarter of `memory_limit`, at
-            most 8 GiB); 0 turns it off (conversations still keep their latest turn).
+        prompt_cache_bytes: the prefix cache's budget (default: `self.memory.prefix_cache`, a
+            quarter of what the weights leave); 0 turns it off (conversations still keep their
+            latest turn).
 
     Conversations live in the engine and share the model; the states of each one's latest turn
     stay in the prefix cache until `close_conversation`. Cancelling a conversation request keeps
     the partial reply in the conversation, exactly as streamed (the DoneEvent's `tokens`); a
-    failed request leaves the conversation as it was.
+    failed request leaves the conversation as it was. While the engine runs, the model's buffers
+    stay wired on a Mac; `engine.memory` is the memory plan (device, defaults) it started from.
     """
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
@@ -233,9 +234,11 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.memory_limit = memory_limit if memory_limit is not None else _device_memory() // 2
+        self.memory = memory.plan(loaded.target, loaded.drafter)
+        log.info("%s", self.memory.describe())
+        self.memory_limit = memory_limit if memory_limit is not None else self.memory.kv_limit
         if prompt_cache_bytes is None:
-            prompt_cache_bytes = min(self.memory_limit // 4, 8 << 30)
+            prompt_cache_bytes = min(self.memory.prefix_cache, self.memory_limit)
         if prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
         self.prompt_cache_bytes = prompt_cache_bytes
@@ -307,7 +310,8 @@ class Engine:
     def metrics(self) -> dict:
         """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
         with self._lock:
-            return dict(self._metrics)
+            counters = dict(self._metrics)
+        return {**counters, **memory.usage()}  # MLX's allocator counters: any thread may read them
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Cancel what is queued or running, stop the worker and wait for it."""
@@ -347,6 +351,11 @@ class Engine:
 
     def _run(self) -> None:
         mark_mlx_thread()
+        # Wired for the engine's life, as mlx-lm's server does, not per request: they come any time.
+        with memory.generating(self.loaded.target, self.loaded.drafter):
+            self._serve()
+
+    def _serve(self) -> None:
         self._prefix = PrefixCache(self.loaded.target, self.prompt_cache_bytes)
         self._gen = self._generator()
         self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
@@ -537,7 +546,6 @@ class Engine:
                 prefix_cache_hits=self._prefix.stats.hits,
                 prefix_cache_bytes=self._prefix.nbytes,
                 prefix_cache_states=self._prefix.checkpoints,
-                peak_memory_bytes=mx.get_peak_memory(),
             )
 
     @staticmethod
@@ -553,9 +561,3 @@ def _kv_bytes(target) -> tuple[int, int]:
     per_token = token_bytes(target)
     return per_token[FULL], per_token[SLIDING] * target.make_cache(1, max_rollback=MAX_ROLLBACK).tracks[SLIDING].capacity
 
-
-def _device_memory() -> int:
-    try:
-        return int(mx.device_info()["memory_size"])
-    except Exception:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

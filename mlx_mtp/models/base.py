@@ -6,9 +6,10 @@ nothing outside `models/` names a Gemma class.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, Iterator, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
 
@@ -123,10 +124,28 @@ class Drafter(Protocol):
         ...
 
 
+_forced_fused: Optional[bool] = None  # set by `force_fused`
+
+
 def fused_kernels() -> bool:
     """True where MLX's `mx.fast` ops are single kernels (GPU). On the CPU they are split into
     many small ops, each one dispatched, so models build cheaper equivalents there."""
+    if _forced_fused is not None:
+        return _forced_fused
     return mx.default_device() == mx.gpu
+
+
+@contextlib.contextmanager
+def force_fused(on: Optional[bool]) -> Iterator[None]:
+    """Within the block models take the `mx.fast` branch (True), the compiled-ops branch (False)
+    or the device's choice (None), so tests and the selftest run either branch on any device.
+    Process-wide: meant for tests and the selftest, not for threads serving requests."""
+    global _forced_fused
+    saved, _forced_fused = _forced_fused, on
+    try:
+        yield
+    finally:
+        _forced_fused = saved
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:

@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cache = ap.add_mutually_exclusive_group()
     cache.add_argument("--prompt-cache-bytes", type=int, metavar="N",
                        help="prefix cache budget in bytes: a request prefills only what no earlier one "
-                            "computed (default: a quarter of the KV memory limit, at most 8 GiB; 0: off)")
+                            "computed (default: a quarter of the memory the weights leave; 0: off)")
     cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
         with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
                     prompt_cache_bytes=args.prompt_cache_bytes) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
+            print(engine.memory.describe(), file=sys.stderr)
             cache = f"prefix cache {engine.prompt_cache_bytes / 2**30:.2f} GiB" if engine.prompt_cache_bytes else \
                 "prefix cache off"
             print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
