@@ -57,6 +57,9 @@ def run_agent(args, log) -> dict:
         f"{args.sessions} sessions": lambda url: concurrently(url, system, args, context, tokenizer),
         "one session, seeded": lambda url: [session(url, system, 0, args, context, tokenizer, seed=7)],
     }
+    chosen = args.scenarios.split(",")
+    scenarios = {name: run for (key, (name, run)) in zip(("one", "many", "seeded"), scenarios.items())
+                 if key in chosen}
     results = {"on": {}, "off": {}}
     for name, run in scenarios.items():
         for cache in ("on", "off"):

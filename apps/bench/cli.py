@@ -174,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--max-tokens", type=int, default=12, help="tokens per reply")
     a.add_argument("--context", type=int, default=12288, help="--pair mid: its max positions")
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
+    a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
+                                                                  "seeded (comma list)")
     a.set_defaults(repeats=1)
     return ap
 
