@@ -247,7 +247,7 @@ class OutputParser:
         out: list[Delta] = []
         while self._step(out, final=False):
             pass
-        return _merge(out)
+        return merge(out)
 
     def finish(self) -> list[Delta]:
         """What is still held back, once the output has ended."""
@@ -259,7 +259,7 @@ class OutputParser:
         elif self.buf:
             out.append(Delta(self.state, self.buf))
         self.buf, self.state = "", "content"
-        return _merge(out)
+        return merge(out)
 
     def _step(self, out: list, final: bool) -> bool:
         """Consume what can be decided; False when the rest must wait."""
@@ -354,7 +354,7 @@ def _partial(text: str, tags: Sequence[str]) -> int:
     return 0
 
 
-def _merge(deltas: list[Delta]) -> list[Delta]:
+def merge(deltas: Iterable[Delta]) -> list[Delta]:
     """Adjacent text deltas of one kind as one; empty ones dropped."""
     out: list[Delta] = []
     for d in deltas:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional
 
+from . import chat_format
 from .batch import BatchGenerator, ContextLengthError, Left
 from .cache import CacheError, KVCache, Snapshot
 from .generate import Event, row_events, text_events
@@ -38,17 +39,19 @@ class Conversation:
     Args:
         loaded: a `load()`ed model with a tokenizer that has a chat template.
         system: optional system message.
+        enable_thinking: the template's switch for reasoning before the answer.
 
-    `messages` is a plain list of {"role", "content"} dicts: callers may edit it between turns
-    (drop the last exchange, edit a message); the next `reply` reuses whatever prefix of the
-    cache still matches.
+    `messages` is a plain list of {"role", "content"} dicts, replies as the model wrote them
+    (the template drops earlier reasoning): callers may edit it between turns (drop the last
+    exchange, edit a message); the next `reply` reuses whatever prefix of the cache still matches.
     """
 
-    def __init__(self, loaded, system: Optional[str] = None):
+    def __init__(self, loaded, system: Optional[str] = None, enable_thinking: bool = False):
         if loaded.tokenizer is None:
             raise ValueError("a conversation needs a tokenizer: the model directory has none")
         self.loaded = loaded
         self.system = system
+        self.enable_thinking = enable_thinking
         self.messages: list[dict] = []
         self.tokens: list[int] = []  # the conversation as the model saw it, replies included
         self.last_stats: Optional[Stats] = None
@@ -79,7 +82,7 @@ class Conversation:
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` followed by the model's generation prompt."""
-        return list(self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking).tokens
 
     def reply(self, text: str, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
         """Add a user message and stream the model's reply.

@@ -139,7 +139,7 @@ def stream(text: str, cut: int, **kwargs) -> list:
 
 
 def merged(deltas: list) -> list:
-    return chat_format._merge(list(deltas))
+    return chat_format.merge(deltas)
 
 
 WEATHER = ToolCall("get_weather", {"city": "Paris", "n": 3}, 0)
