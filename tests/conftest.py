@@ -30,3 +30,12 @@ def reference(variant: str) -> dict:
 @pytest.fixture(params=VARIANTS)
 def variant(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def scripted_server(tmp_path_factory):
+    """The scripted Gemma 4 model (tests/scripted.py) served over HTTP, for both APIs' tests."""
+    from scripted import serve_scripted
+
+    with serve_scripted(tmp_path_factory.mktemp("scripted-server")) as url:
+        yield url

@@ -12,7 +12,7 @@ gives to it, so a reply is known exactly, whatever API, batch or draft length pr
 The row's token history lives in one extra full-attention cache layer (token ids as values,
 slot = position), so it follows the rows through batching and rollback like any K/V.
 
-`python tests/scripted.py --model DIR --script FILE [server options]` serves it over HTTP.
+`python tests/scripted.py --model DIR [--script FILE] [server options]` serves it over HTTP.
 """
 
 from __future__ import annotations
@@ -196,6 +196,33 @@ SCRIPT = [
 ]
 
 
+KEY = "sk-scripted"
+
+
+def serve_scripted(tmp: Path, *server_args: str):
+    """Start `python tests/scripted.py` on a free port (with the API key KEY); a context
+    manager yielding its URL."""
+    import contextlib
+
+    from apps.serve_load import free_port, start_server, stop_server, wait_healthy
+
+    @contextlib.contextmanager
+    def running():
+        model = make_scripted_model(tmp / "model")
+        port, log = free_port(), tmp / "server.log"
+        argv = [sys.executable, str(Path(__file__)), "--model", str(model), "--api-key", KEY,
+                "--log-level", "warning", *server_args]
+        proc = start_server(argv, port, str(log))
+        try:
+            wait_healthy(proc, port)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_server(proc)
+        assert proc.returncode == 0, log.read_text()
+
+    return running()
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -203,9 +230,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description="serve a scripted Gemma 4 chat model")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--script", required=True, help="a JSON list of [end of prompt, reply] pairs")
+    ap.add_argument("--script", help="a JSON list of [end of prompt, reply] pairs (default: SCRIPT)")
     args, rest = ap.parse_known_args(argv)
-    loaded = load_scripted(Path(args.model), json.loads(Path(args.script).read_text()))
+    script = json.loads(Path(args.script).read_text()) if args.script else SCRIPT
+    loaded = load_scripted(Path(args.model), script)
     return cli.serve(loaded, "gemma4-scripted", cli.parse_args(rest))
 
 
