@@ -18,7 +18,9 @@ slot = position), so it follows the rows through batching and rollback like any 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -197,6 +199,7 @@ SCRIPT = [
 
 
 KEY = "sk-scripted"
+README = TESTS.parent / "README.md"
 
 
 def serve_scripted(tmp: Path, *server_args: str):
@@ -221,6 +224,20 @@ def serve_scripted(tmp: Path, *server_args: str):
         assert proc.returncode == 0, log.read_text()
 
     return running()
+
+
+def run_readme_example(url: str, marker: str) -> str:
+    """Run the README's "Agents" Python block that contains `marker`, as written but for the
+    server's address, model name and key, in a fresh process against the scripted server at `url`;
+    returns what it printed."""
+    section = README.read_text().split("## Agents", 1)[1].split("\n## ", 1)[0]
+    code = next(block for block in re.findall(r"```python\n(.*?)```", section, re.S) if marker in block)
+    assert "127.0.0.1:8000" in code and '"mlx-mtp-demo"' in code and 'api_key="none"' in code
+    code = (code.replace(":8000", ":" + url.rsplit(":", 1)[1]).replace('"mlx-mtp-demo"', '"gemma4-scripted"')
+            .replace('api_key="none"', f'api_key="{KEY}"'))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def main(argv=None) -> int:

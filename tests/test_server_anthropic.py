@@ -7,7 +7,7 @@ import json
 import anthropic
 import httpx
 import pytest
-from scripted import KEY, STORY, TOOLS, TWO, WEATHER
+from scripted import KEY, STORY, TOOLS, TWO, WEATHER, run_readme_example
 
 MODEL = "gemma4-scripted"
 PARIS = "What is the weather in Paris right now?"
@@ -193,3 +193,11 @@ def test_errors_are_anthropic_shaped(client, change, status, kind, match):
         client.post("/v1/messages", body=body, cast_to=object)
     assert e.value.status_code == status and e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == kind and match in e.value.body["error"]["message"]
+
+
+def test_readme_anthropic_example_runs_as_written(scripted_server):
+    out = run_readme_example(scripted_server, "import anthropic").splitlines()
+    assert out[0] == WEATHER[1]  # the first reply was a tool call, with no text
+    stop, used_in, used_out = out[1].split()
+    # the conversation counted at the end is the last prompt and its reply (less its stop token)
+    assert stop == "end_turn" and int(out[2]) == int(used_in) + int(used_out) - 1

@@ -7,7 +7,7 @@ import re
 import httpx
 import openai
 import pytest
-from scripted import KEY, STORY, TOOLS, TWO, WEATHER
+from scripted import KEY, STORY, TOOLS, TWO, WEATHER, run_readme_example
 
 MODEL = "gemma4-scripted"
 PARIS = "What is the weather in Paris right now?"
@@ -153,3 +153,8 @@ def test_a_body_nested_5000_deep_is_a_400_on_both_apis(scripted_server):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "42"
     r = httpx.post(scripted_server + "/v1/chat/completions", headers={"x-api-key": KEY}, json=body(65))
     assert r.status_code == 400 and "64 levels" in r.json()["error"]["message"]
+
+
+def test_readme_openai_example_runs_as_written(scripted_server):
+    out = run_readme_example(scripted_server, "from openai import OpenAI")
+    assert out == f"{WEATHER[1]}\nSix sevens make 42. -> The answer is 42.\n"

@@ -168,7 +168,7 @@ def _tools(body: dict) -> tuple[Optional[list], bool]:
     choice = mapping(body, "tool_choice")
     kind = choice.get("type", "auto")
     if kind in ("any", "tool"):
-        raise constrained("tool_choice", kind)
+        raise constrained("tool_choice", f'"{kind}"')
     if kind not in ("auto", "none"):
         raise invalid("tool_choice", '`tool_choice.type` must be "auto", "any", "tool" or "none"')
     tools = body.get("tools") or []

@@ -52,8 +52,9 @@ def check_model(name: Any, model: ServedModel) -> None:
 
 
 def constrained(param: str, choice: str) -> APIError:
+    """`tool_choice` that forces a call (`choice`, as the API names it): refused until there is a grammar."""
     return unsupported(param, f"tool_choice {choice} needs constrained decoding, which this server does not "
-                              "have yet: let the model choose (auto) or give it no tools (none)")
+                              'have yet: let the model choose ("auto") or give it no tools ("none")')
 
 
 @dataclasses.dataclass

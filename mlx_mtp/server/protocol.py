@@ -111,7 +111,7 @@ def _tools(body: dict) -> Optional[list]:
     """The tools the model may call: none with `tool_choice: "none"`."""
     choice = body.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
-        raise constrained("tool_choice", "required" if choice == "required" else "naming a function")
+        raise constrained("tool_choice", '"required"' if choice == "required" else "naming a function")
     if choice not in (None, "auto", "none"):
         raise invalid("tool_choice", '`tool_choice` must be "auto", "none", "required" or a function')
     tools = body.get("tools")
