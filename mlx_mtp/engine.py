@@ -157,6 +157,7 @@ class RequestHandle:
         self._state = "queued"  # -> "running" -> "finished"
         self._cancel = threading.Event()
         self._seen_last = False
+        self._prepared: Optional[tuple] = None  # a one-shot request's (prompt tokens, output parser)
         self.prompt_tokens: Optional[int] = None  # the prompt's length, once the request started
 
     def cancel(self) -> None:
@@ -290,13 +291,17 @@ class Engine:
     # ---- caller side (any thread) --------------------------------------------------------
 
     def submit(self, request: Request) -> RequestHandle:
-        """Queue a request; its events arrive on the returned handle.
+        """Queue a request; its events arrive on the returned handle. A one-shot request's prompt
+        is rendered and tokenized here, on the caller's thread (an agent's prompt can take a
+        while), not on the worker, where it would hold up every running request.
 
         Raises:
-            ValueError: a malformed request. KeyError: an unknown conversation.
-            QueueFull: `max_queue` requests are already waiting. RuntimeError: the engine is closed.
+            ValueError: a malformed request (or messages the chat template refuses). KeyError: an
+            unknown conversation. QueueFull: `max_queue` requests are already waiting.
+            RuntimeError: the engine is closed.
         """
         request.check()
+        prepared = self._prompt(request) if request.conversation is None else None
         with self._lock:
             self._check_open()
             if request.conversation is not None:
@@ -304,6 +309,7 @@ class Engine:
             if self.max_queue is not None and self._metrics["requests_waiting"] >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
+            handle._prepared = prepared
             self._live.add(handle)
             self._metrics["requests_waiting"] += 1
             self._metrics["requests_total"] += 1
@@ -338,7 +344,7 @@ class Engine:
             return [dict(m) for m in list(self._conversation(conversation_id).messages)]
 
     def count_tokens(self, request: Request) -> int:
-        """The length of a one-shot request's prompt, as it would run (no MLX: any thread)."""
+        """The length of a one-shot request's prompt, as it would run."""
         request.check()
         if request.conversation is not None:
             raise ValueError("only a one-shot request's prompt can be counted")
@@ -456,7 +462,7 @@ class Engine:
                 turn = conversation.prepare(request.prompt, request.max_tokens)
                 need = self._need(len(turn.prompt) + turn.max_tokens)
             else:
-                prompt, parser = self._prompt(request)
+                prompt, parser = handle._prepared
                 need = self._need(len(prompt) + request.max_tokens)
             if need > self.memory_limit:
                 raise MemoryLimitError(f"the KV cache of this request ({need / 2**30:.2f} GiB) exceeds the "

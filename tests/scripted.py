@@ -214,7 +214,7 @@ def serve_scripted(tmp: Path, *server_args: str):
         model = make_scripted_model(tmp / "model")
         port, log = free_port(), tmp / "server.log"
         argv = [sys.executable, str(Path(__file__)), "--model", str(model), "--api-key", KEY,
-                "--log-level", "warning", *server_args]
+                "--draft-tokens", "3", "--log-level", "warning", *server_args]  # drafting always
         proc = start_server(argv, port, str(log))
         try:
             wait_healthy(proc, port)

@@ -189,8 +189,8 @@ async def run(request: HTTPRequest, job, answer, stream) -> Response:
     header is sent, so a request the engine refuses (an over-long prompt, say) gets a real HTTP
     error."""
     engine = request.app.state.engine
-    try:
-        handle = engine.submit(job.request)
+    try:  # off the event loop: submitting renders the prompt
+        handle = await asyncio.to_thread(engine.submit, job.request)
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
