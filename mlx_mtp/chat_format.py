@@ -21,6 +21,7 @@ not parse, as the text the model wrote.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
@@ -169,11 +170,10 @@ def _token_offsets(tokenizer, text: str, cuts: list[int]) -> list[Optional[int]]
     def encode(piece: str) -> list:
         return list(tokenizer.encode(piece, add_special_tokens=False))
 
-    whole, pieces = encode(text), []
-    for start, end in zip([0, *cuts], [*cuts, len(text)]):
-        pieces.append(encode(text[start:end]))
-    if sum(pieces, []) == whole:  # every cut is a token boundary (Gemma's turns end in control tokens)
-        return [sum(map(len, pieces[: i + 1])) for i in range(len(cuts))]
+    whole = encode(text)
+    pieces = [encode(text[start:end]) for start, end in zip([0, *cuts], [*cuts, len(text)])]
+    if [t for piece in pieces for t in piece] == whole:  # the usual case: Gemma's turns end in control tokens
+        return list(itertools.accumulate(len(piece) for piece in pieces[:-1]))
     heads = [encode(text[:cut]) for cut in cuts]
     return [len(h) if whole[: len(h)] == h else None for h in heads]
 
@@ -184,7 +184,7 @@ def check_messages(messages: Any) -> None:
         raise ValueError("messages must be a non-empty list")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}] needs a role among system, user, assistant, tool")
+            raise ValueError(f"messages[{i}] needs a role among system, developer, user, assistant, tool")
         if not isinstance(m.get("content"), (str, list, tuple, type(None))):
             raise ValueError(f"messages[{i}].content must be a string, a list of parts, or null")
         for j, call in enumerate(m.get("tool_calls") or ()):

@@ -201,3 +201,15 @@ def test_readme_anthropic_example_runs_as_written(scripted_server):
     stop, used_in, used_out = out[1].split()
     # the conversation counted at the end is the last prompt and its reply (less its stop token)
     assert stop == "end_turn" and int(out[2]) == int(used_in) + int(used_out) - 1
+
+
+def test_every_status_has_its_anthropic_error_type(scripted_server):
+    from mlx_mtp.server.anthropic import error_body
+    from mlx_mtp.server.common import APIError
+
+    kinds = {status: error_body(APIError(status, "m"))["error"]["type"] for status in (413, 429, 500, 503)}
+    assert kinds == {413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "api_error"}
+    r = httpx.get(scripted_server + "/v1/messages", headers={"x-api-key": KEY})  # a route's errors take its shape
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(scripted_server + "/v1/messages", content=b"{oops", headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "not valid JSON" in r.json()["error"]["message"]
