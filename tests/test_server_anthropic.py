@@ -58,8 +58,8 @@ def test_a_two_step_tool_loop_whole_and_streamed(client):
 
 
 def test_the_event_sequence_of_a_stream(scripted_server):
-    body = {"model": MODEL, "max_tokens": 200, "stream": True, "tools": TOOLS_A, "thinking": {"type": "enabled",
-            "budget_tokens": 1024}, "messages": [{"role": "user", "content": SEVEN}]}
+    body = {"model": MODEL, "max_tokens": 200, "stream": True, "tools": TOOLS_A, "thinking": {"type": "adaptive"},
+            "messages": [{"role": "user", "content": SEVEN}]}
     r = httpx.post(scripted_server + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
@@ -84,8 +84,6 @@ def test_thinking_on_and_off(client):
     on = ask(client, SEVEN, thinking={"type": "enabled", "budget_tokens": 2048})
     assert blocks(on) == [{"type": "thinking", "thinking": "Six sevens make 42."},
                           {"type": "text", "text": "The answer is 42."}]
-    final, kinds = streamed(client, messages=[{"role": "user", "content": SEVEN}], thinking={"type": "adaptive"})
-    assert blocks(final) == blocks(on) and "thinking" in kinds
     off = ask(client, SEVEN)  # the server's default: off
     assert blocks(off) == [{"type": "text", "text": "42, of course."}]
     assert blocks(ask(client, SEVEN, thinking={"type": "disabled"})) == blocks(off)
