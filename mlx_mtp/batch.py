@@ -1,10 +1,11 @@
 """The one generation driver: continuous batching of speculative rounds.
 
-Rows join and leave between rounds. A row is inserted with its prompt (and optionally the KV
-cache of an earlier turn); its prompt is prefilled in chunks, one chunk per `step()`, between
-the batch's rounds, so streaming rows stall for at most one chunk; then it joins the batch.
-Each row owns its request: sampling parameters, seed, stop tokens, token budget, MTP on/off and
-draft length; its output equals what it would get alone.
+Rows join and leave between rounds. A row is inserted with its prompt; its prompt is prefilled
+in chunks, one chunk per `step()`, between the batch's rounds, so streaming rows stall for at
+most one chunk; then it joins the batch. With a prefix cache, a prompt starts from the deepest
+state an earlier row left that it shares, and rows leave states behind where later prompts may
+part ways with theirs (`PrefixCache`). Each row owns its request: sampling parameters, seed,
+stop tokens, token budget, MTP on/off and draft length; its output equals what it would get alone.
 
 Rounds are pipelined: `step()` builds and queues round n+1 before it reads round n's tokens, so
 the host's work of building a round and handing out tokens hides behind the device's work.
@@ -16,15 +17,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, Snapshot
+from .cache import KVCache
 from .drafters import as_proposer
 from .lockstep import ALONE, Lockstep
 from .models.base import TargetModel
+from .prefix_cache import PrefixCache
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
 from .speculative import K_MAX, MAX_ROLLBACK, BatchState, Plan, RoundOutput, check_draft_tokens, policy_for, run_round
 from .stats import Stats
@@ -48,16 +50,6 @@ class RowEvent:
     stats: Optional[Stats] = None
 
 
-@dataclasses.dataclass
-class Left:
-    """What a row leaves behind: its cache (holding all of its tokens but the last one emitted),
-    that length, and the snapshot taken after its prompt (when asked for)."""
-
-    cache: Optional[KVCache]
-    length: int
-    snapshot: Optional[Snapshot]
-
-
 @dataclasses.dataclass(eq=False)
 class _Row:
     uid: int
@@ -68,23 +60,22 @@ class _Row:
     seeded: bool
     stop_ids: frozenset
     draft: Union[int, str, None]  # None: MTP off for this row
-    keep_cache: bool
-    want_snapshot: bool
-    cache: Optional[KVCache]
-    start: int  # tokens the cache held before the prompt
-    fed: int = 0
+    marks: frozenset  # prompt lengths at which the row leaves a state in the prefix cache
+    owner: Optional[Hashable]  # pins the row's states (see `insert`)
+    cache: Optional[KVCache] = None  # while the prompt is prefilled
+    start: int = 0  # prompt tokens restored from the prefix cache
+    fed: int = 0  # prompt tokens in the cache
     tokens: list = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
     stats: Stats = dataclasses.field(default_factory=Stats)
     first: Optional[mx.array] = None
-    snapshot: Optional[Snapshot] = None
     began: float = 0.0
-    context: Optional[list] = None  # the tokens `cache` held at insert, if known
+    pinned: list = dataclasses.field(default_factory=list)  # states the row left for its owner
 
     @property
     def length(self) -> int:
         """Tokens the row's cache holds: prompt and emitted tokens but the last one."""
-        return self.start + self.fed + max(len(self.tokens) - 1, 0)
+        return self.fed + max(len(self.tokens) - 1, 0)
 
 
 @dataclasses.dataclass
@@ -109,14 +100,16 @@ class BatchGenerator:
         drafter: an MTP drafter, a proposer (e.g. `NgramDrafter`), or None for plain decoding.
         draft_tokens: the batch's draft-length policy: "auto" or a fixed K.
         prefill_chunk: prompt tokens processed per `step()`.
+        prefix_cache: where prompts resume from, and rows leave their states (None: nowhere).
     """
 
     def __init__(self, target: TargetModel, drafter=None, draft_tokens: Union[int, str] = "auto",
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, prefix_cache: Optional[PrefixCache] = None):
         self.target = target
         self.proposer = as_proposer(drafter, target)
         self.policy = policy_for(drafter, draft_tokens)
         self.prefill_chunk = prefill_chunk
+        self.prefix = prefix_cache
         self.limit = target.config.max_position_embeddings
         self.stats = Stats()  # every row together
         self.pending: collections.deque[_Row] = collections.deque()
@@ -125,7 +118,6 @@ class BatchGenerator:
         self.state: Optional[BatchState] = None
         self._inflight: Optional[_Inflight] = None
         self._joined: list[_Row] = []  # first token not read yet
-        self._gone: dict[int, _Row] = {}  # finished rows whose cache is kept for `remove`
         self._cancelled: list[_Row] = []
         self._uids = 0
         self._last_read: Optional[float] = None
@@ -145,13 +137,12 @@ class BatchGenerator:
 
     def insert(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                seed: Optional[int] = None, stop_ids: Sequence[int] = (), mtp: bool = True,
-               draft_tokens: Union[int, str] = "auto", cache: Optional[KVCache] = None,
-               keep_cache: bool = False, snapshot: bool = False, stats: Optional[Stats] = None,
-               context: Optional[Sequence[int]] = None) -> int:
+               draft_tokens: Union[int, str] = "auto", boundaries: Sequence[int] = (),
+               owner: Optional[Hashable] = None, stats: Optional[Stats] = None) -> int:
         """Queue a sequence; returns its uid. Its first token comes from a later `step()`.
 
         Args:
-            prompt: token ids, continuing what `cache` holds (if given).
+            prompt: token ids.
             max_tokens: the row's token budget.
             sampling: the row's sampling parameters.
             seed: the row's random seed. A seeded row's output depends only on (seed, prompt,
@@ -160,11 +151,13 @@ class BatchGenerator:
             stop_ids: tokens that end the row (emitted, then the row stops).
             mtp: False: the row drafts nothing (it still shares the batch's verify forward).
             draft_tokens: "auto" (the policy decides) or the row's fixed draft length.
-            cache: the row's KV cache so far (an earlier turn); the generator takes it over.
-            keep_cache: keep the row's cache when it finishes, for `remove(uid)`.
-            snapshot: snapshot the sliding layers right after the prompt (see `KVCache.snapshot`).
+            boundaries: prompt lengths where a later prompt may part ways with this one (the
+                end of each turn of a rendered conversation): the prefix cache keeps the state
+                there, as it does before the prompt's last token, after it, and after the reply.
+            owner: pins the states this row leaves in the prefix cache for `owner` (a
+                conversation keeping its latest turn); once the row is done, the ones earlier
+                rows left for it are released.
             stats: the `Stats` to keep the row's statistics in (a new one by default).
-            context: the tokens `cache` holds, for drafters that look text up (n-gram).
 
         Raises:
             ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
@@ -173,22 +166,15 @@ class BatchGenerator:
         if int(max_tokens) != max_tokens or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         draft = draft_tokens if draft_tokens == "auto" else check_draft_tokens(draft_tokens)
-        start = 0
-        if cache is not None:
-            if cache.batch_size != 1 or cache.max_rollback != MAX_ROLLBACK:
-                raise ValueError("a row's cache must be a one-row cache made with max_rollback=MAX_ROLLBACK")
-            start = int(cache.offsets()[0])
-        if start + len(ids) >= self.limit:
+        if len(ids) >= self.limit:
             raise ContextLengthError(
-                f"prompt of {len(ids)} tokens (plus {start} in the cache) does not fit the model's context "
-                f"of {self.limit} tokens")
+                f"prompt of {len(ids)} tokens does not fit the model's context of {self.limit} tokens")
         uid = self._uids
         value = _seed(seed) if seed is not None else self.lockstep.seed(self, uid)
+        marks = frozenset(b for b in boundaries if 0 < b < len(ids)) | {len(ids) - 1, len(ids)}
         row = _Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
-                   draft if mtp and self.proposer is not None else None, keep_cache, snapshot, cache, start)
+                   draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
-        if context is not None and len(context) == start:
-            row.context = list(context)
         self.lockstep.inserting(self, row)
         self._uids += 1
         self.pending.append(row)
@@ -221,33 +207,42 @@ class BatchGenerator:
         self._cancelled.append(row)
         if row in self.pending:
             self.pending.remove(row)
-            self._leave(row, row.cache)
 
-    def remove(self, uid: int, taken: Optional[int] = None) -> Optional[Left]:
-        """Take a row out now (cancelling it if it still runs). Returns what it left (its cache,
-        if it was inserted with keep_cache) or None.
+    def remove(self, uid: int, taken: Optional[int] = None) -> None:
+        """Take a row out now (cancelling it if it still runs); with a prefix cache, the state
+        it reached stays there.
 
         Args:
             taken: how many of its tokens the consumer took, when it stopped part way through
-                a step's tokens; the cache then ends with those.
+                a step's tokens; the state it leaves then ends with those.
         """
         self.lockstep.called(self, "remove", uid, taken)
         self._cancel(uid)
         row = self._find(uid)
         if row is None:
-            return None
-        if taken is not None and taken < len(row.tokens) and row.uid not in self._gone:
+            return
+        if taken is not None and taken < len(row.tokens):
             row.tokens = row.tokens[:taken]
         if row in self._joined:
             self._joined.remove(row)
         if row in self._cancelled:
             self._cancelled.remove(row)
         self._retire()
-        row = self._gone.pop(uid, None)
-        return None if row is None else Left(row.cache, row.length, row.snapshot)
+
+    def release(self, owner: Hashable) -> None:
+        """Unpin the prefix-cache states left for `owner` (a conversation that ended)."""
+        self.lockstep.called(self, "release", owner)
+        if self.prefix is not None:
+            self.prefix.release(owner)
+
+    def trim_prefix_cache(self, nbytes: int) -> None:
+        """Evict prefix-cache states nobody pins until it holds at most `nbytes` (room for rows)."""
+        self.lockstep.called(self, "trim_prefix_cache", nbytes)
+        if self.prefix is not None:
+            self.prefix.evict(nbytes)
 
     def _find(self, uid: int) -> Optional[_Row]:
-        for row in [*self.pending, *self.rows, *self._gone.values()]:
+        for row in [*self.pending, *self.rows]:
             if row.uid == uid:
                 return row
         return None
@@ -335,7 +330,7 @@ class BatchGenerator:
 
     def _deliver(self, row: _Row, tokens: list, accepted: int, k: int) -> RowEvent:
         """Hand out a round's tokens, cut after a stop token, at the budget or the context."""
-        room = min(row.max_tokens - len(row.tokens), self.limit - row.start - row.fed - len(row.tokens))
+        room = min(row.max_tokens - len(row.tokens), self.limit - row.fed - len(row.tokens))
         finish = None
         for i, tok in enumerate(tokens):
             if tok in row.stop_ids:
@@ -359,23 +354,20 @@ class BatchGenerator:
         if not self.pending:
             return False
         row = self.pending[0]
-        if row.fed == 0:
-            row.began = time.perf_counter()
-            if row.cache is None:
-                row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
-        end = min(len(row.prompt), row.fed + self.prefill_chunk)
-        last = end == len(row.prompt)
-        ids = mx.array([row.prompt[row.fed : end]], dtype=mx.int32)
-        if last and ids.shape[1] > 1:
-            # The prompt's last token as a step of its own: the forward over the rest skips
-            # what only the last position needs (KV-shared layers, the head), and is faster so.
-            self.target(ids[:, :-1], row.cache, keep=0)
-            ids = ids[:, -1:]
-        out = self.target(ids, row.cache, keep=1 if last else 0)
-        row.fed = end
-        if not last:
-            mx.async_eval([a for a in row.cache.keys + row.cache.values if a is not None])
-            return True
+        if row.cache is None:
+            self._begin_prefill(row)
+        last = len(row.prompt) - 1
+        if row.fed < last:
+            end = self._chunk_end(row)
+            self.target(mx.array([row.prompt[row.fed : end]], dtype=mx.int32), row.cache, keep=0)
+            self._reached(row, end)
+            if end < last:
+                mx.async_eval([a for a in row.cache.keys + row.cache.values if a is not None])
+                return True
+        # The prompt's last token as a step of its own: the forward over the rest skips what
+        # only the last position needs (KV-shared layers, the head), and is faster so.
+        out = self.target(mx.array([row.prompt[last:]], dtype=mx.int32), row.cache, keep=1)
+        self._reached(row, last + 1)
         self.pending.popleft()
         seeds = mx.array([row.seed], dtype=mx.uint32)
 
@@ -386,17 +378,33 @@ class BatchGenerator:
             return (sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
 
         (first,) = self.lockstep.share(decide, [(1,)])
-        if row.want_snapshot:
-            row.snapshot = row.cache.snapshot()
         history = None
         if self.proposer is not None and self.proposer.needs_history:
-            known = (row.context or [-1] * row.start) + row.prompt
-            history = mx.concatenate([mx.array([known], dtype=mx.int32), first[:, None]], axis=1)
+            history = mx.concatenate([mx.array([row.prompt], dtype=mx.int32), first[:, None]], axis=1)
         self._join(row, BatchState(first, out.hidden[:, -1], seeds, history))
         mx.async_eval(first)
         row.first = first
         self._joined.append(row)
         return True
+
+    def _begin_prefill(self, row: _Row) -> None:
+        row.began = time.perf_counter()
+        row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
+        if self.prefix is not None:
+            row.start = row.fed = self.prefix.resume(row.prompt, row.cache)
+
+    def _chunk_end(self, row: _Row) -> int:
+        """Where the next chunk ends: on a grid of positions, so that a prompt resumed at a state
+        an earlier prompt left on that grid is cut as it would be whole, or at a state to leave,
+        and before the prompt's last token."""
+        grid = (row.fed // self.prefill_chunk + 1) * self.prefill_chunk
+        return min(grid, len(row.prompt) - 1, *(m for m in row.marks if m > row.fed))
+
+    def _reached(self, row: _Row, fed: int) -> None:
+        """The cache now holds `fed` prompt tokens: leave the state there if it is marked."""
+        row.fed = fed
+        if self.prefix is not None and fed in row.marks:
+            row.pinned.append(self.prefix.store(row.prompt[:fed], row.cache, pin=row.owner))
 
     def _join(self, row: _Row, state: BatchState) -> None:
         if self.cache is None:
@@ -418,8 +426,9 @@ class BatchGenerator:
         events = []
         for row in self._joined:
             first = int(row.first.item())
-            row.stats.prompt_tokens = row.fed
-            self.stats.prompt_tokens += row.fed
+            row.stats.prompt_tokens, row.stats.cached_tokens = row.fed - row.start, row.start
+            self.stats.prompt_tokens += row.fed - row.start
+            self.stats.cached_tokens += row.start
             row.stats.prompt_seconds = row.stats.first_token_seconds = time.perf_counter() - row.began
             self.stats.prompt_seconds += row.stats.prompt_seconds
             if row.finish_reason is None:
@@ -433,7 +442,7 @@ class BatchGenerator:
         self.stats.emitted += 1
         if token in row.stop_ids:
             row.finish_reason = "stop"
-        elif row.max_tokens <= 1 or row.start + row.fed + 1 >= self.limit:
+        elif row.max_tokens <= 1 or row.fed + 1 >= self.limit:
             row.finish_reason = "length"
         return RowEvent(row.uid, [token], [False], row.finish_reason, row.stats)
 
@@ -445,8 +454,8 @@ class BatchGenerator:
             return
         keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
         for i, row in enumerate(self.rows):
-            if row.finish_reason is not None:
-                self._leave(row, self.cache.take(i) if row.keep_cache else None)
+            if row.finish_reason is not None and self.prefix is not None:
+                self._leave(row, self.cache.take(i))
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.cache = self.state = None
@@ -457,12 +466,13 @@ class BatchGenerator:
         self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index],
                                 None if s.history is None else s.history[index])
 
-    def _leave(self, row: _Row, cache: Optional[KVCache]) -> None:
-        if row.keep_cache and cache is not None:
-            cache.truncate([row.length])  # undo what was queued past the tokens handed out
-            row.cache = cache
-            self._gone[row.uid] = row
-            self.lockstep.kept(self, row)
+    def _leave(self, row: _Row, cache: KVCache) -> None:
+        """Leave the state the row reached in the prefix cache (for its owner: in place of the
+        ones its earlier rows left)."""
+        cache.truncate([row.length])  # undo what was queued past the tokens handed out
+        row.pinned.append(self.prefix.store((row.prompt + row.tokens)[: row.length], cache, pin=row.owner))
+        if row.owner is not None:
+            self.prefix.release(row.owner, keep=row.pinned)
 
 
 def _widen(history: mx.array, width: int) -> mx.array:

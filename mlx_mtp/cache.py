@@ -7,7 +7,9 @@ store position t in slot t (the buffer grows), sliding layers in slot t mod C of
 C = window + 1 + max_rollback slots. Rolling back is then only a matter of marking positions
 empty, which the speculative round does on the device (`rollback_to`) without the host ever
 reading how many drafts were accepted; a host-side `trim`/`rollback` checks that the positions
-it needs are still retained and either succeeds exactly or raises `CacheError`.
+it needs are still retained and either succeeds exactly or raises `CacheError`. A one-row cache
+can be read out by position and rebuilt at a length from such reads (`read`, `resume`), which is
+how the prefix cache stores and restores states.
 
 The host keeps an upper bound of each row's length (`bound`); it is exact until a device-side
 rollback, and `sync()` makes it exact again.
@@ -69,7 +71,7 @@ class _Write:
 
     def store(self, buf: mx.array, values: mx.array, axis: int) -> mx.array:
         """`buf` with `values` (this forward's last `count` entries along `axis`) in their slots."""
-        if self.start is not None:  # a new array: snapshots may hold the old one
+        if self.start is not None:
             return mx.slice_update(buf, values, mx.array([self.start]), axes=(axis,))
         slots = self.slots if axis == 1 else self.slots[:, None, :, None]
         return mx.put_along_axis(buf, slots, values, axis=axis)
@@ -86,16 +88,6 @@ class _Track:
     @property
     def ring(self) -> bool:
         return self.window is not None
-
-
-class Snapshot(NamedTuple):
-    """The sliding layers of a one-row cache at `offset` (see `KVCache.snapshot`)."""
-
-    offset: int
-    top: int
-    pos: mx.array
-    keys: dict
-    values: dict
 
 
 class KVCache:
@@ -123,6 +115,7 @@ class KVCache:
         self.offset = mx.zeros((batch_size,), dtype=mx.int32)  # next position of each row
         self.bound = np.zeros(batch_size, dtype=np.int64)  # upper bound of `offset`
         self.top = np.zeros(batch_size, dtype=np.int64)  # upper bound of 1 + the last written position
+        self.floor = np.zeros(batch_size, dtype=np.int64)  # rings hold nothing older (a resumed row's)
         self.exact = True  # bound == offset
 
     @property
@@ -245,39 +238,66 @@ class KVCache:
             raise CacheError(f"cannot set lengths {new.tolist()}: rows hold at most {self.bound.tolist()}")
         ring = self.tracks[SLIDING]
         needed = np.maximum(new - (self.window + 1), 0)
-        retained = np.maximum(self.top - ring.capacity, 0)
-        if (needed < retained).any():
+        if (needed < self.oldest()).any():
             raise CacheError(
                 f"cannot roll back to {new.tolist()}: the sliding-window cache retains only {ring.capacity} "
                 f"positions (window {self.window} + 1 + max_rollback {self.max_rollback})")
         self.rollback_to(mx.array(new.astype(np.int32)))
         self.bound, self.exact = new, True
 
-    # ---- turn boundaries ----------------------------------------------------------------
+    # ---- prefix states (what the prefix cache stores and restores) ------------------------
 
-    def snapshot(self) -> Snapshot:
-        """The sliding layers of a one-row cache as they are now: `restore` brings the cache
-        back to this length later even after the window has moved past it."""
+    def read(self, start: int, stop: int, kind: str) -> dict[int, tuple[mx.array, mx.array]]:
+        """Copies of the K/V of positions start .. stop - 1 of every cached layer of `kind`
+        (`FULL` or `SLIDING`), in position order, from a one-row cache. Raises CacheError where
+        the cache does not hold them (not written yet, or gone round a sliding ring)."""
         if self.batch_size != 1:
-            raise CacheError("only a one-row cache can be snapshotted")
+            raise CacheError("only a one-row cache can be read out")
         self.sync()
-        idx = [i for i, t in enumerate(self.layer_types) if t == SLIDING]
-        return Snapshot(int(self.bound[0]), int(self.top[0]), self.tracks[SLIDING].pos,
-                        {i: self.keys[i] for i in idx}, {i: self.values[i] for i in idx})
+        track = self.tracks[kind]
+        oldest = int(self.oldest()[0]) if track.ring else 0
+        if not oldest <= start <= stop <= int(self.bound[0]):
+            raise CacheError(f"positions {start}..{stop - 1} are not all held ({kind}: {oldest}..{int(self.bound[0]) - 1})")
+        slots = mx.arange(start, stop, dtype=mx.int32) % track.capacity if track.ring else None
+        out = {}
+        for i, t in enumerate(self.layer_types):
+            if t != kind or self.keys[i] is None:
+                continue
+            if slots is None:  # a copy, not a view: a view would keep the whole buffer alive
+                out[i] = (mx.contiguous(self.keys[i][:, :, start:stop]), mx.contiguous(self.values[i][:, :, start:stop]))
+            else:
+                out[i] = (mx.take(self.keys[i], slots, axis=2), mx.take(self.values[i], slots, axis=2))
+        return out
 
-    def restore(self, snap: Snapshot) -> None:
-        """Return a one-row cache to a snapshot taken from it at a shorter or equal length."""
-        self.sync()
-        if self.batch_size != 1 or snap.offset > int(self.bound[0]):
-            raise CacheError(f"cannot restore a snapshot at {snap.offset} into a cache of {self.bound.tolist()}")
-        full = self.tracks[FULL]
-        full.pos = mx.where(full.pos >= snap.offset, -1, full.pos)
-        self.tracks[SLIDING].pos = snap.pos
-        for i in snap.keys:
-            self.keys[i], self.values[i] = snap.keys[i], snap.values[i]
-        self.offset = mx.array([snap.offset], dtype=mx.int32)
-        self.bound = np.array([snap.offset], dtype=np.int64)
-        self.top = np.array([snap.top], dtype=np.int64)
+    def resume(self, length: int, full: dict, sliding: dict) -> None:
+        """Make this empty one-row cache hold `length` positions, as if it had read them:
+        `full[layer]` is the (K, V) of positions 0 .. length - 1 of a full-attention layer,
+        `sliding[layer]` the (K, V) of the last min(length, window + 1) of them (what attention
+        and the drafter can still see) of a sliding layer."""
+        if self.batch_size != 1 or int(self.bound[0]) != 0:
+            raise CacheError("only an empty one-row cache can be resumed")
+        self._grow(length)
+        capacity = self.tracks[FULL].capacity
+        self.tracks[FULL].pos = _fit(mx.arange(length, dtype=mx.int32)[None], capacity, -1, axis=1)
+        for i, (k, v) in full.items():
+            self.keys[i], self.values[i] = _fit(k, capacity, 0, axis=2), _fit(v, capacity, 0, axis=2)
+        ring = self.tracks[SLIDING]
+        positions = mx.arange(max(length - self.window - 1, 0), length, dtype=mx.int32)[None]
+        write = _Write(positions % ring.capacity, positions.shape[1], False, slice(0, ring.capacity))
+        ring.pos = write.store(_empty(1, ring.capacity), positions, axis=1)
+        for i, (k, v) in sliding.items():
+            if k.shape[2] != positions.shape[1]:
+                raise CacheError(f"a sliding layer needs the last {positions.shape[1]} positions, got {k.shape[2]}")
+            empty = mx.zeros((*k.shape[:2], ring.capacity, k.shape[3]), dtype=k.dtype)
+            self.keys[i], self.values[i] = write.store(empty, k, axis=2), write.store(empty, v, axis=2)
+        self.offset = mx.array([length], dtype=mx.int32)
+        self.bound = np.array([length], dtype=np.int64)
+        self.top = self.bound.copy()
+        self.floor = np.array([length - positions.shape[1]], dtype=np.int64)
+
+    def oldest(self) -> np.ndarray:
+        """Each row's oldest position whose sliding K/V the rings still hold (at most)."""
+        return np.maximum(self.top - self.tracks[SLIDING].capacity, self.floor)
 
     # ---- batch membership -------------------------------------------------------------
 
@@ -291,7 +311,7 @@ class KVCache:
             if buf is not None:
                 self.keys[i], self.values[i] = buf[index], self.values[i][index]
         self.offset = self.offset[index]
-        self.bound, self.top = self.bound[rows_np], self.top[rows_np]
+        self.bound, self.top, self.floor = self.bound[rows_np], self.top[rows_np], self.floor[rows_np]
         self._shrink()
 
     def take(self, row: int) -> "KVCache":
@@ -304,6 +324,7 @@ class KVCache:
         out.values = [None if a is None else a[pick] for a in self.values]
         out.offset = self.offset[pick]
         out.bound, out.top, out.exact = self.bound[pick].copy(), self.top[pick].copy(), self.exact
+        out.floor = self.floor[pick].copy()
         out._shrink()
         return out
 
@@ -325,6 +346,7 @@ class KVCache:
         self.offset = mx.concatenate([self.offset, other.offset])
         self.bound = np.concatenate([self.bound, other.bound])
         self.top = np.concatenate([self.top, other.top])
+        self.floor = np.concatenate([self.floor, other.floor])
         self.exact = self.exact and other.exact
 
     # ---- memory ---------------------------------------------------------------------

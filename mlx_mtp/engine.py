@@ -7,11 +7,16 @@ callers on any thread submit requests and read each request's events from its ow
             if event.kind == "token":
                 print(event.text, end="")
 
+A reply to `messages` (or in a conversation) is parsed as it streams: a token event's `text`
+is the answer's text, its `parts` also say what was reasoning and which tool calls were made.
+
 The worker is an admission loop around one `BatchGenerator`: between rounds it admits queued
 requests (up to `max_batch` rows, first in first out, while their KV cache fits the memory
 limit), cancels what was cancelled, runs one step (a prompt chunk and a speculative round for
-every row), delivers the events, and retires finished rows. A conversation runs one request
-at a time; its KV cache goes into the batch with its request and comes back after.
+every row), delivers the events, and retires finished rows. Every request starts from the
+deepest state of the engine's prefix cache that its prompt shares, and leaves its own there
+(`PrefixCache`); a conversation is a client that pins the states of its latest turn, and runs
+one request at a time.
 """
 
 from __future__ import annotations
@@ -20,17 +25,17 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import threading
-from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
+from typing import Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
-import mlx.core as mx
-
-from .batch import BatchGenerator, Left
+from . import chat_format, memory
+from .batch import BatchGenerator
 from .cache import FULL, SLIDING
+from .chat_format import Delta, OutputParser, Reply
 from .conversation import Conversation, Turn
 from .generate import Detokenizer, encode
+from .prefix_cache import PrefixCache, token_bytes
 from .sample import SamplingParams
 from .speculative import MAX_ROLLBACK, check_draft_tokens
 from .stats import Stats
@@ -53,8 +58,11 @@ class Request:
 
     With `conversation`, `prompt` is the user's next message and the reply joins that
     conversation (its KV cache is reused). Without one, the request is one-shot: `prompt` is
-    raw text or token ids continued as they are, or `messages` are rendered with the chat
-    template.
+    raw text or token ids continued as they are, or `messages` are rendered with the model's
+    chat template, with `tools` (JSON schemas, see `chat_format`), `enable_thinking`,
+    `chat_template_kwargs` (more template variables) and `continue_final_message` (the last,
+    assistant, message is continued rather than answered). Tool calls are parsed only when
+    `tools` are given.
     """
 
     prompt: Union[str, Sequence[int], None] = None
@@ -65,6 +73,10 @@ class Request:
     draft_tokens: Union[int, str] = "auto"
     mtp: bool = True
     seed: Optional[int] = None
+    tools: Optional[Sequence[dict]] = None
+    enable_thinking: bool = False
+    chat_template_kwargs: Optional[Mapping] = None
+    continue_final_message: bool = False
 
     def check(self) -> None:
         if self.conversation is not None:
@@ -72,6 +84,10 @@ class Request:
                 raise ValueError("a conversation request takes the user's message as a str `prompt`")
         elif (self.prompt is None) == (self.messages is None):
             raise ValueError("a one-shot request takes exactly one of `prompt` and `messages`")
+        chat = (self.tools, self.enable_thinking, self.chat_template_kwargs, self.continue_final_message)
+        if self.messages is None and any(chat):
+            raise ValueError("`tools`, `enable_thinking`, `chat_template_kwargs` and `continue_final_message` "
+                             "go with `messages`")
         if isinstance(self.max_tokens, bool) or int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.draft_tokens != "auto":
@@ -80,21 +96,37 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
+    """One generated token. `parts` is what it released, in order (`chat_format.Delta`s:
+    content or reasoning text, whole tool calls); `text` is their content. A raw prompt's
+    output is all content; a chat reply's text that may still turn into a tag is held back."""
+
     text: str
     token: int
     from_draft: bool
+    parts: tuple = ()
     kind: ClassVar[str] = "token"
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind == "reasoning")
+
+    @property
+    def tool_calls(self) -> tuple:
+        return tuple(p.call for p in self.parts if p.kind == "tool_call")
 
 
 @dataclasses.dataclass(frozen=True)
 class DoneEvent:
     """The last event of a request that ran (or was cancelled): "stop", "length" or "cancelled".
-    `tokens` and `text` are everything streamed, which is also what a conversation kept."""
+    `tokens` and the reply (`text`, `reasoning`, `tool_calls`) are everything streamed, which is
+    also what a conversation kept."""
 
     finish_reason: str
     text: str
     tokens: tuple
     stats: Stats
+    reasoning: str = ""
+    tool_calls: tuple = ()
     kind: ClassVar[str] = "done"
 
 
@@ -125,6 +157,9 @@ class RequestHandle:
         self._state = "queued"  # -> "running" -> "finished"
         self._cancel = threading.Event()
         self._seen_last = False
+        self._prepared: Optional[tuple] = None  # a one-shot request's (prompt tokens, turn ends, output parser)
+        self.prompt_tokens: Optional[int] = None  # the prompt's length, once the request started
+        self.cached_tokens: Optional[int] = None  # of which restored from the prefix cache, by its first token
 
     def cancel(self) -> None:
         """Stop the request at the next round boundary; its stream ends with a "cancelled"
@@ -187,11 +222,25 @@ class RequestHandle:
 class _Running:
     handle: RequestHandle
     detok: Detokenizer
+    parser: Optional[OutputParser]  # None: raw text, all content
     conversation: Optional[Conversation] = None
     turn: Optional[Turn] = None
-    text: list = dataclasses.field(default_factory=list)
+    reply: Reply = dataclasses.field(default_factory=Reply)
     tokens: list = dataclasses.field(default_factory=list)
     kv_bytes: int = 0
+
+    def token_event(self, text: str, token: int, from_draft: bool, last: bool) -> TokenEvent:
+        if self.parser is None:
+            parts = [Delta("content", text)] if text else []
+        else:
+            parts = self.parser.feed(text) + (self.parser.finish() if last else [])
+        self.reply.add(parts)
+        self.tokens.append(token)
+        return TokenEvent("".join(p.text for p in parts if p.kind == "content"), token, from_draft, tuple(parts))
+
+    def done(self, finish_reason: str, stats: Stats) -> DoneEvent:
+        r = self.reply
+        return DoneEvent(finish_reason, r.content, tuple(self.tokens), stats, r.reasoning, tuple(r.tool_calls))
 
 
 @dataclasses.dataclass
@@ -211,22 +260,36 @@ class Engine:
         max_batch: rows generated together; more requests wait (first in, first out).
         max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
         prefill_chunk: prompt tokens processed per round.
-        memory_limit: bytes the batch's KV cache may take (default: half the device memory).
+        memory_limit: bytes the batch's KV cache and the prefix cache may take together (default:
+            `self.memory.kv_limit`, half of what the weights leave of the device's memory; see
+            `mlx_mtp.memory`); the prefix cache gives way to rows.
         draft_tokens: the draft-length policy of the batch ("auto" or a fixed K).
+        prompt_cache_bytes: the prefix cache's budget (default: `self.memory.prefix_cache`, a
+            quarter of what the weights leave); 0 turns it off (conversations still keep their
+            latest turn).
 
-    Conversations live in the engine and share the model; each has its own KV cache, freed by
-    `close_conversation`. Cancelling a conversation request keeps the partial reply in the
-    conversation, exactly as streamed (the DoneEvent's `tokens`); a failed request leaves the
-    conversation as it was.
+    Conversations live in the engine and share the model; the states of each one's latest turn
+    stay in the prefix cache until `close_conversation`. Cancelling a conversation request keeps
+    the partial reply in the conversation, exactly as streamed (the DoneEvent's `tokens`); a
+    failed request leaves the conversation as it was. While the engine runs, the model's buffers
+    stay wired on a Mac; `engine.memory` is the memory plan (device, defaults) it started from.
     """
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
-                 memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto"):
+                 memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto",
+                 prompt_cache_bytes: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.memory_limit = memory_limit if memory_limit is not None else _device_memory() // 2
+        self.memory = memory.plan(loaded.target, loaded.drafter)
+        log.info("%s", self.memory.describe())
+        self.memory_limit = memory_limit if memory_limit is not None else self.memory.kv_limit
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = min(self.memory.prefix_cache, self.memory_limit)
+        if prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
+        self.prompt_cache_bytes = prompt_cache_bytes
         self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -243,13 +306,17 @@ class Engine:
     # ---- caller side (any thread) --------------------------------------------------------
 
     def submit(self, request: Request) -> RequestHandle:
-        """Queue a request; its events arrive on the returned handle.
+        """Queue a request; its events arrive on the returned handle. A one-shot request's prompt
+        is rendered and tokenized here, on the caller's thread (an agent's prompt can take a
+        while), not on the worker, where it would hold up every running request.
 
         Raises:
-            ValueError: a malformed request. KeyError: an unknown conversation.
-            QueueFull: `max_queue` requests are already waiting. RuntimeError: the engine is closed.
+            ValueError: a malformed request (or messages the chat template refuses). KeyError: an
+            unknown conversation. QueueFull: `max_queue` requests are already waiting.
+            RuntimeError: the engine is closed.
         """
         request.check()
+        prepared = self._prompt(request) if request.conversation is None else None
         with self._lock:
             self._check_open()
             if request.conversation is not None:
@@ -257,15 +324,16 @@ class Engine:
             if self.max_queue is not None and self._metrics["requests_waiting"] >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
+            handle._prepared = prepared
             self._live.add(handle)
             self._metrics["requests_waiting"] += 1
             self._metrics["requests_total"] += 1
             self._inbox.put(handle)
         return handle
 
-    def new_conversation(self, system: Optional[str] = None) -> int:
-        """Start a conversation (optionally with a system message); returns its id."""
-        conversation = Conversation(self.loaded, system=system)
+    def new_conversation(self, system: Optional[str] = None, enable_thinking: bool = False) -> int:
+        """Start a conversation (optionally with a system message, or thinking); returns its id."""
+        conversation = Conversation(self.loaded, system=system, enable_thinking=enable_thinking)
         with self._lock:
             self._check_open()
             conversation_id = next(self._ids)
@@ -276,24 +344,34 @@ class Engine:
         """Forget a conversation's turns once the requests queued before this call have run."""
         with self._lock:
             self._check_open()
-            self._inbox.put(_Command(conversation_id, self._conversation(conversation_id).reset))
+            conversation = self._conversation(conversation_id)
+            self._inbox.put(_Command(conversation_id, lambda: self._forget(conversation)))
 
     def close_conversation(self, conversation_id: int) -> None:
-        """Forget a conversation; requests already queued for it still run, then its cache is freed."""
+        """Forget a conversation; requests already queued for it still run, then its states are
+        released (left to the prefix cache's budget)."""
         with self._lock:
             self._check_open()
             conversation = self._conversations.pop(self._check_id(conversation_id))
-            self._inbox.put(_Command(conversation_id, conversation.reset))
+            self._inbox.put(_Command(conversation_id, lambda: self._forget(conversation)))
 
     def messages(self, conversation_id: int) -> list[dict]:
         """A copy of a conversation's messages as of now."""
         with self._lock:
             return [dict(m) for m in list(self._conversation(conversation_id).messages)]
 
+    def count_tokens(self, request: Request) -> int:
+        """The length of a one-shot request's prompt, as it would run."""
+        request.check()
+        if request.conversation is not None:
+            raise ValueError("only a one-shot request's prompt can be counted")
+        return len(self._prompt(request)[0])
+
     def metrics(self) -> dict:
         """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
         with self._lock:
-            return dict(self._metrics)
+            counters = dict(self._metrics)
+        return {**counters, **memory.usage()}  # MLX's allocator counters: any thread may read them
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Cancel what is queued or running, stop the worker and wait for it."""
@@ -333,7 +411,13 @@ class Engine:
 
     def _run(self) -> None:
         mark_mlx_thread()
-        self._gen = BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+        # Wired for the engine's life, as mlx-lm's server does, not per request: they come any time.
+        with memory.generating(self.loaded.target, self.loaded.drafter):
+            self._serve()
+
+    def _serve(self) -> None:
+        self._prefix = PrefixCache(self.loaded.target, self.prompt_cache_bytes)
+        self._gen = self._generator()
         self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
         try:
             while self._take_inbox():
@@ -342,8 +426,8 @@ class Engine:
                 if self._gen.busy:
                     self._step()
             for uid, run in list(self._running.items()):  # closing: end what still runs
-                done = DoneEvent("cancelled", "".join(run.text), tuple(run.tokens), Stats())
-                self._end(uid, run, done, left=self._gen.remove(uid))
+                self._gen.remove(uid)
+                self._end(uid, run, run.done("cancelled", Stats()))
         except BaseException as e:  # a bug in the loop itself: fail every waiting request
             with self._lock:
                 self._closed = True
@@ -353,7 +437,15 @@ class Engine:
             raise
         finally:
             with self._lock:
-                self._conversations.clear()  # free the caches on this thread
+                self._conversations.clear()
+            self._prefix.clear()  # free the cached states on this thread
+
+    def _generator(self) -> BatchGenerator:
+        return BatchGenerator(self.loaded.target, self.loaded.drafter, prefix_cache=self._prefix, **self._options)
+
+    def _forget(self, conversation: Conversation) -> None:
+        conversation.reset()
+        self._gen.release(conversation.key)
 
     def _take_inbox(self) -> bool:
         """Move new requests and commands to the waiting line; block only when idle."""
@@ -395,45 +487,64 @@ class Engine:
         if len(self._running) >= self.max_batch:
             return False
         conversation = self._conversations.get(handle.conversation_id) if handle.conversation_id else None
-        turn = None
+        turn, parser = None, OutputParser(tools=False)
         try:
             if conversation is None and request.conversation is not None:
                 raise KeyError(f"conversation {request.conversation} was closed")
             if conversation is not None:
                 turn = conversation.prepare(request.prompt, request.max_tokens)
-                need = self._need(len(turn.prompt) + turn.max_tokens)
+                prompt, boundaries, max_tokens = turn.prompt, turn.boundaries, turn.max_tokens
             else:
-                prompt = self._prompt(request)
-                need = self._need(len(prompt) + request.max_tokens)
+                prompt, boundaries, parser = handle._prepared
+                max_tokens = request.max_tokens
+            need = self._need(len(prompt) + max_tokens)
             if need > self.memory_limit:
                 raise MemoryLimitError(f"the KV cache of this request ({need / 2**30:.2f} GiB) exceeds the "
                                        f"engine's memory limit ({self.memory_limit / 2**30:.2f} GiB)")
-            if self._running and self._batch_need(need) > self.memory_limit:
+            if not self._room(need):
                 if turn is not None:
-                    conversation.end(turn, [], _give_back(turn))
+                    conversation.end(turn, [])
                 return False
             options = dict(sampling=request.sampling, seed=request.seed, mtp=request.mtp,
                            draft_tokens=request.draft_tokens)
             if turn is not None:
                 uid = conversation.insert(self._gen, turn, **options)
             else:
-                uid = self._gen.insert(prompt, max_tokens=request.max_tokens, stop_ids=self.loaded.eos_ids, **options)
+                uid = self._gen.insert(prompt, max_tokens=max_tokens, stop_ids=self.loaded.eos_ids,
+                                       boundaries=boundaries, **options)
         except Exception as e:
             if turn is not None:
-                conversation.end(turn, [], _give_back(turn))
+                conversation.end(turn, [])
             handle._finish(ErrorEvent(e))
             return True
-        self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
+        self._running[uid] = _Running(handle, Detokenizer(self.loaded), parser, conversation, turn, kv_bytes=need)
+        handle.prompt_tokens = len(turn.prompt) if turn is not None else len(prompt)
         if not handle._start():  # cancelled meanwhile: its row ends at the next step
             self._gen.cancel(uid)
         return True
 
-    def _prompt(self, request: Request) -> list[int]:
+    def _room(self, need: int) -> bool:
+        """Whether a row needing `need` bytes fits beside the running ones: the prefix cache
+        gives up what nobody pins to make room."""
+        rows = self._batch_need(need) if self._running else need
+        if rows + self._prefix.nbytes > self.memory_limit:
+            self._gen.trim_prefix_cache(max(self.memory_limit - rows, 0))
+        return not self._running or rows + self._prefix.nbytes <= self.memory_limit
+
+    def _prompt(self, request: Request) -> tuple[list[int], list[int], Optional[OutputParser]]:
+        """The request's prompt tokens, where its turns end (for the prefix cache), and the parser
+        of its output (None for a raw prompt)."""
         if request.messages is None:
-            return encode(self.loaded, request.prompt)
+            prompt = encode(self.loaded, request.prompt)
+            return prompt, chat_format.turn_ends(prompt, self.loaded.eos_ids), None
         if self.loaded.tokenizer is None:
             raise ValueError("`messages` need a tokenizer: the model directory has none")
-        return list(self.loaded.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True))
+        rendered = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
+                                      enable_thinking=request.enable_thinking,
+                                      continue_final_message=request.continue_final_message,
+                                      template_kwargs=request.chat_template_kwargs)
+        boundaries = chat_format.turn_ends(rendered.tokens, self.loaded.eos_ids)
+        return rendered.tokens, boundaries, rendered.parser(tools=bool(request.tools))
 
     def _need(self, tokens: int) -> int:
         return (tokens + MAX_ROLLBACK) * self._token_bytes + self._ring_bytes
@@ -455,29 +566,30 @@ class Engine:
         except Exception as e:  # the batch's state is unknown now: fail its rows, start afresh
             log.exception("a generation step failed")
             for uid, run in list(self._running.items()):
-                self._end(uid, run, ErrorEvent(e), left=None)
-            stats, self._gen = self._gen.stats, BatchGenerator(self.loaded.target, self.loaded.drafter, **self._options)
+                self._end(uid, run, ErrorEvent(e))
+            self._prefix.clear()  # it may hold half a state of the failed step
+            stats, self._gen = self._gen.stats, self._generator()
             self._gen.stats = stats  # counters never go back
             return
         for event in events:
             run = self._running.get(event.uid)
             if run is None:
                 continue
+            if run.handle.cached_tokens is None and event.stats is not None:
+                run.handle.cached_tokens = event.stats.cached_tokens  # known before its first token goes out
             for e in run.detok.events(event):
-                run.handle._events.put(TokenEvent(e.text, e.token, e.from_draft))
-                run.text.append(e.text)
-                run.tokens.append(e.token)
+                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, bool(e.finish_reason)))
             if event.finish_reason:
-                done = DoneEvent(event.finish_reason, "".join(run.text), tuple(run.tokens),
-                                 dataclasses.replace(event.stats))
-                self._end(event.uid, run, done, left=self._gen.remove(event.uid))
+                done = run.done(event.finish_reason, dataclasses.replace(event.stats))
+                self._gen.remove(event.uid)
+                self._end(event.uid, run, done)
         self._update_counts()
 
-    def _end(self, uid: int, run: _Running, event: Event, left) -> None:
+    def _end(self, uid: int, run: _Running, event: Event) -> None:
         del self._running[uid]
         if run.conversation is not None:
             with self._lock:
-                run.conversation.end(run.turn, run.tokens, left)
+                run.conversation.end(run.turn, run.tokens)
         run.handle._finish(event)
         with self._lock:
             self._live.discard(run.handle)
@@ -495,7 +607,10 @@ class Engine:
                 spec_draft_tokens=s.drafted,
                 spec_accepted_tokens=s.accepted,
                 spec_accepted_per_pos=list(s.accepted_at),
-                peak_memory_bytes=mx.get_peak_memory(),
+                prefix_cache_queries=self._prefix.stats.queries,
+                prefix_cache_hits=self._prefix.stats.hits,
+                prefix_cache_bytes=self._prefix.nbytes,
+                prefix_cache_states=self._prefix.checkpoints,
             )
 
     @staticmethod
@@ -506,29 +621,8 @@ class Engine:
             log.exception("engine command %r failed", command)
 
 
-def _give_back(turn: Turn) -> Left:
-    """What a turn that never ran leaves: the cache as it was handed over."""
-    return Left(turn.cache, turn.keep, None)
-
-
 def _kv_bytes(target) -> tuple[int, int]:
     """(bytes per token of the full-attention layers, bytes of the sliding rings) for one row."""
-    cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
-    cfg = target.config
-    itemsize = target.embed(mx.array([[0]])).dtype.size
-    full = ring = 0
-    ring_slots = cache.tracks[SLIDING].capacity
-    for i, kind in enumerate(cache.layer_types):
-        per_token = 2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * itemsize
-        if kind == FULL:
-            full += per_token
-        else:
-            ring += per_token * ring_slots
-    return full, ring
+    per_token = token_bytes(target)
+    return per_token[FULL], per_token[SLIDING] * target.make_cache(1, max_rollback=MAX_ROLLBACK).tracks[SLIDING].capacity
 
-
-def _device_memory() -> int:
-    try:
-        return int(mx.device_info()["memory_size"])
-    except Exception:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

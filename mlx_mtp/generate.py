@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional, Sequence, Union
 
+from . import memory
 from .batch import BatchGenerator, ContextLengthError, RowEvent
 from .models.base import TargetModel
 from .sample import SamplingParams
@@ -61,8 +62,9 @@ def generate_tokens(
     gen = BatchGenerator(target, drafter, draft_tokens=draft_tokens)
     uid = gen.insert(prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids, stats=stats)
     try:
-        for event in row_events(gen, uid):
-            yield from zip(event.tokens, event.from_draft)
+        with memory.generating(target, drafter):
+            for event in row_events(gen, uid):
+                yield from zip(event.tokens, event.from_draft)
     finally:
         gen.remove(uid)
 
@@ -86,7 +88,8 @@ def stream_generate(
     gen = BatchGenerator(loaded.target, loaded.drafter if mtp else None, draft_tokens=draft_tokens)
     uid = gen.insert(prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=loaded.eos_ids)
     try:
-        yield from text_events(loaded, row_events(gen, uid))
+        with memory.generating(loaded.target, loaded.drafter):
+            yield from text_events(loaded, row_events(gen, uid))
     finally:
         gen.remove(uid)
 

@@ -26,13 +26,10 @@ class Lockstep:
         """`row` is about to join `gen`'s queue (the other ranks insert the same row)."""
 
     def called(self, gen, call: str, *args) -> None:
-        """`gen.<call>(*args)` begins: "step", "cancel" or "remove"."""
+        """`gen.<call>(*args)` begins: "step", "cancel", "remove", "release" or "trim_prefix_cache"."""
 
     def stepped(self, gen) -> None:
         """`gen.step()` finished."""
-
-    def kept(self, gen, row) -> None:
-        """A finished row's cache (`row.cache`) is kept for `gen.remove`."""
 
     def draft_tokens(self, gen, choose: Callable[[], int]) -> int:
         """The round's draft length: `choose()` on rank 0, the same number everywhere."""

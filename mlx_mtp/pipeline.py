@@ -40,11 +40,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cache import FULL, SLIDING, CacheError
+from .cache import FULL, SLIDING
 from .drafters import MTPProposer
 from .group import Group, GroupError, Traffic
 from .loading import Loaded, _private_arrays, eos_ids, load_model, load_tokenizer
 from .lockstep import Lockstep
+from .prefix_cache import PrefixCache
 from .sample import SamplingParams
 from .speculative import Drafts
 
@@ -209,9 +210,9 @@ class Leader(Stage):
     def __init__(self, *args):
         super().__init__(*args)
         self._gens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # generator -> id
-        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache -> key
-        self._ids = itertools.count()
-        self._forgotten: list = []  # ("gens" | "caches", id) of objects gone on rank 0
+        self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # PrefixCache -> id
+        self._ids, self._prefix_ids = itertools.count(), itertools.count()
+        self._forgotten: list = []  # ("gens" | "prefixes", id) of objects gone on rank 0
         self._turn = threading.RLock()  # held from `called(gen, "step")` to `stepped`
         self._stepping = False
 
@@ -224,7 +225,7 @@ class Leader(Stage):
                 self.group.fail("a generation step on rank 0 was interrupted; the ranks are out of step")
             if self._forgotten:
                 gone = [self._forgotten.pop() for _ in range(len(self._forgotten))]  # finalizers may append
-                lists = {k: [i for kind, i in gone if kind == k] for k in ("gens", "caches")}
+                lists = {k: [i for kind, i in gone if kind == k] for k in ("gens", "prefixes")}
                 self.group.send({"call": "forget", **lists})
             self.group.send(message)
 
@@ -233,23 +234,29 @@ class Leader(Stage):
             raise GroupError("in a pipeline group only the group's own drafter (pipeline.load) can draft")
         fixed = gen.policy.fixed
         with self._turn:  # numbered in the order the other ranks hear of them
-            gen_id = next(self._ids)
+            gen_id, prefix = next(self._ids), self._prefix_id(gen.prefix)
             self._tell({"call": "new", "gen": gen_id, "mtp": gen.proposer is not None,
-                        "draft_tokens": "auto" if fixed is None else fixed, "prefill_chunk": gen.prefill_chunk})
+                        "draft_tokens": "auto" if fixed is None else fixed, "prefill_chunk": gen.prefill_chunk,
+                        "prefix": prefix, "budget": None if gen.prefix is None else gen.prefix.budget})
         self._gens[gen] = gen_id
         weakref.finalize(gen, self._forgotten.append, ("gens", gen_id))
 
+    def _prefix_id(self, prefix) -> Optional[int]:
+        """The number of a prefix cache, which the other ranks mirror: they store, resume and
+        evict alike since they repeat every call that changes it."""
+        if prefix is None:
+            return None
+        if prefix not in self._prefixes:
+            self._prefixes[prefix] = next(self._prefix_ids)
+            weakref.finalize(prefix, self._forgotten.append, ("prefixes", self._prefixes[prefix]))
+        return self._prefixes[prefix]
+
     def inserting(self, gen, row) -> None:
-        key = None if row.cache is None else self._caches.get(row.cache)
-        if row.cache is not None and key is None and row.start > 0:
-            raise GroupError("in a pipeline group a row can only continue a cache that one of the group's "
-                             "generators handed out (remove)")
         self._tell({"call": "insert", "gen": self._gens[gen], "uid": row.uid, "prompt": row.prompt,
                     "max_tokens": row.max_tokens, "sampling": dataclasses.asdict(row.params),
                     "seed": row.seed if row.seeded else None, "stop_ids": sorted(row.stop_ids),
                     "mtp": row.draft is not None, "draft_tokens": "auto" if row.draft is None else row.draft,
-                    "keep_cache": row.keep_cache, "snapshot": row.want_snapshot, "cache": key,
-                    "start": row.start, "context": row.context})
+                    "boundaries": sorted(row.marks), "owner": row.owner})
 
     def called(self, gen, call: str, *args) -> None:
         if call == "step":
@@ -263,12 +270,6 @@ class Leader(Stage):
             _drain()
         self._stepping, self.group.busy_since = False, None
         self._turn.release()
-
-    def kept(self, gen, row) -> None:
-        key = f"{self._gens[gen]}:{row.uid}"
-        with self._turn:
-            self._caches[row.cache] = key
-        weakref.finalize(row.cache, self._forgotten.append, ("caches", key))
 
     def draft_tokens(self, gen, choose) -> int:
         k = choose()
@@ -287,21 +288,14 @@ class Follower(Stage):
     def __init__(self, *args):
         super().__init__(*args)
         self._gens: dict[int, object] = {}
+        self._prefixes: dict[int, PrefixCache] = {}  # rank 0's prefix caches, mirrored
         self._ids = itertools.count()
-        self._kept: dict[str, tuple] = {}  # cache key -> (KVCache, snapshot)
-        self._continued: dict[str, object] = {}  # row key -> snapshot of the cache it continued
 
     def _gen_id(self, gen) -> int:
         return next(i for i, g in self._gens.items() if g is gen)
 
     def made(self, gen) -> None:
         self._gens[next(self._ids)] = gen
-
-    def kept(self, gen, row) -> None:
-        key = f"{self._gen_id(gen)}:{row.uid}"
-        # A row cut off before its prompt ended has no snapshot; rank 0's conversation then keeps
-        # using the one it had, which is the one of the cache this row continued.
-        self._kept[key] = (row.cache, row.snapshot or self._continued.pop(key, None))
 
     def draft_tokens(self, gen, choose) -> int:
         return self._expect("k")["k"]
@@ -329,12 +323,18 @@ class Follower(Stage):
 
         call = message["call"]
         if call == "new":
+            prefix = None
+            if message["prefix"] is not None:
+                if message["prefix"] not in self._prefixes:
+                    self._prefixes[message["prefix"]] = PrefixCache(loaded.target, message["budget"])
+                prefix = self._prefixes[message["prefix"]]
             gen = BatchGenerator(loaded.target, loaded.drafter if message["mtp"] else None,
-                                 draft_tokens=message["draft_tokens"], prefill_chunk=message["prefill_chunk"])
+                                 draft_tokens=message["draft_tokens"], prefill_chunk=message["prefill_chunk"],
+                                 prefix_cache=prefix)
             if self._gen_id(gen) != message["gen"]:
                 self.group.fail("out of step with rank 0: generators numbered differently")
         elif call == "forget":
-            self._forget(message["gens"], message["caches"])
+            self._forget(message["gens"], message["prefixes"])
         elif call == "insert":
             self._insert(self._gens[message["gen"]], message)
         elif call == "step":
@@ -344,46 +344,23 @@ class Follower(Stage):
             if not gen.busy:
                 _drain()
             self.group.busy_since = None
-        elif call in ("cancel", "remove"):
+        elif call in ("cancel", "remove", "release", "trim_prefix_cache"):
             getattr(self._gens[message["gen"]], call)(*message["args"])
         else:
             self.group.fail(f"out of step with rank 0: unexpected {call!r}")
 
     def _insert(self, gen, m: dict) -> None:
-        cache, snapshot = self._continue(m["cache"], m["start"])
         uid = gen.insert(m["prompt"], max_tokens=m["max_tokens"], sampling=SamplingParams(**m["sampling"]),
                          seed=m["seed"], stop_ids=m["stop_ids"], mtp=m["mtp"], draft_tokens=m["draft_tokens"],
-                         cache=cache, keep_cache=m["keep_cache"], snapshot=m["snapshot"], context=m["context"])
+                         boundaries=m["boundaries"], owner=m["owner"])
         if uid != m["uid"]:
             self.group.fail(f"out of step with rank 0: row {uid} here is row {m['uid']} there")
-        if snapshot is not None:
-            self._continued[f"{m['gen']}:{uid}"] = snapshot
 
-    def _continue(self, key: Optional[str], start: int):
-        """This rank's copy of a kept cache, cut to `start` tokens as rank 0 cut its own: by
-        truncating, or where the sliding window has moved on, by restoring the snapshot."""
-        if key is None:
-            return None, None
-        cache, snapshot = self._kept.pop(key)
-        if int(cache.offsets()[0]) > start:
-            try:
-                cache.truncate([start])
-            except CacheError:
-                if snapshot is None:
-                    self.group.fail("out of step with rank 0: a cache it restored has no snapshot here")
-                cache.restore(snapshot)
-        held = int(cache.offsets()[0])
-        if held != start:
-            self.group.fail(f"out of step with rank 0: a kept cache holds {held} tokens, not {start}")
-        return cache, snapshot
-
-    def _forget(self, gens: list, caches: list) -> None:
+    def _forget(self, gens: list, prefixes: list) -> None:
         for gen_id in gens:
             self._gens.pop(gen_id, None)
-            for key in [k for k in self._continued if k.split(":")[0] == str(gen_id)]:
-                del self._continued[key]
-        for key in caches:
-            self._kept.pop(key, None)
+        for prefix_id in prefixes:
+            self._prefixes.pop(prefix_id, None)
 
 
 def _drain() -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 @dataclasses.dataclass
 class Stats:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead
     prompt_seconds: float = 0.0
     first_token_seconds: float = 0.0  # from the call to the first emitted token
     decode_seconds: float = 0.0

@@ -30,3 +30,33 @@ def reference(variant: str) -> dict:
 @pytest.fixture(params=VARIANTS)
 def variant(request):
     return request.param
+
+
+@pytest.fixture
+def fused(request):
+    """Parametrize indirectly: True forces the `mx.fast` RoPE/RMSNorm branch (a GPU's), False the
+    compiled-ops one (the CPU's), None leaves the choice to the device; so a Metal-only break
+    shows on a CPU-only CI."""
+    from mlx_mtp.models.base import force_fused
+
+    with force_fused(getattr(request, "param", None)):
+        yield
+
+
+BOTH_KERNELS = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"], indirect=True)
+
+
+def fused_too(values, fused):
+    """Parameters (value, fused): `values` on the device's kernels, plus the `fused` ones again with
+    the `mx.fast` branch forced."""
+    return ([pytest.param(v, None, id=str(v)) for v in values]
+            + [pytest.param(v, True, id=f"{v}-fused") for v in fused])
+
+
+@pytest.fixture(scope="session")
+def scripted_server(tmp_path_factory):
+    """The scripted Gemma 4 model (tests/scripted.py) served over HTTP, for both APIs' tests."""
+    from scripted import serve_scripted
+
+    with serve_scripted(tmp_path_factory.mktemp("scripted-server")) as url:
+        yield url

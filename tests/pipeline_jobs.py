@@ -1,8 +1,8 @@
 """Generation jobs run both in one process (the reference) and on rank 0 of a two-rank pipeline
 group (`pipeline_ranks.py`); the outputs must be identical. Greedy MTP and plain decoding, one
 row and a batch of rows (joining late, cancelled, drafting differently), seeded sampling, and
-for the dense pair an Engine with a multi-turn conversation (its cache leaves and rejoins the
-batch and is cut back between turns)."""
+for the dense pair an Engine with a multi-turn conversation and one-shot requests that resume
+from the prefix cache (every rank stores, resumes and evicts alike)."""
 
 from pathlib import Path
 
@@ -68,6 +68,9 @@ def conversation(loaded) -> dict:
             out[f"turn{turn}"] = list(reply.tokens)
         out["one_shot"] = list(one_shot.result().tokens)
         out["hot"] = list(hot.result().tokens)
+        again = engine.submit(Request("Tell me", max_tokens=30, sampling=HOT, seed=3)).result()
+        out["again"], out["again_cached"] = list(again.tokens), again.stats.cached_tokens
+    assert out["again"] == out["hot"] and out["again_cached"] > 0
     return out
 
 

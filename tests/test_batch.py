@@ -8,6 +8,7 @@ from conftest import TINY, reference, tiny_drafter, tiny_target
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
+from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.sample import SamplingParams
 from mlx_mtp.speculative import DraftPolicy
 
@@ -85,24 +86,25 @@ def test_stop_tokens_cancels_and_late_joiners():
     assert not gen.busy and gen.cache is None  # everybody left
 
 
-def test_a_row_leaves_with_its_exact_cache():
-    """keep_cache: the cache holds the prompt and every token handed out but the last, even
+def test_a_row_leaves_its_exact_state_in_the_prefix_cache():
+    """The state a row leaves holds the prompt and every token handed out but the last, even
     when the row was cancelled with a round already queued past it."""
     target, drafter = tiny_target("dense"), tiny_drafter("dense")
     p = prompts("dense", 1)[0]
     truth = alone("dense", p, 40)
     for stop_after in (1, 5, 30):
-        gen = BatchGenerator(target, drafter, draft_tokens=4)
-        uid, seen = gen.insert(p, max_tokens=40, keep_cache=True), []
+        gen = BatchGenerator(target, drafter, draft_tokens=4, prefix_cache=PrefixCache(target, budget=1 << 30))
+        uid, seen = gen.insert(p, max_tokens=40), []
         while len(seen) < stop_after:
             seen += [t for e in gen.step() for t in e.tokens]
-        left = gen.remove(uid)
-        assert seen[:stop_after] == truth[:stop_after]
-        assert left.length == len(p) + len(seen) - 1 == int(left.cache.offsets()[0])
-        # continuing from that cache gives the same continuation as a fresh run
-        gen2 = BatchGenerator(target, drafter, draft_tokens=4)
-        gen2.insert([seen[-1]], max_tokens=5, cache=left.cache)
-        assert drain(gen2) == alone("dense", p + seen, 5)
+        gen.remove(uid, stop_after)
+        seen = seen[:stop_after]
+        assert seen == truth[:stop_after]
+        assert gen.prefix.lookup(p + seen) == len(p) + len(seen) - 1
+        # continuing from that state gives the same continuation as a fresh run
+        uid = gen.insert(p + seen, max_tokens=5)
+        assert drain(gen) == alone("dense", p + seen, 5)
+        assert gen.stats.cached_tokens == len(p) + len(seen) - 1
 
 
 def test_seeded_rows_are_identical_alone_and_batched():

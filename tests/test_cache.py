@@ -1,5 +1,5 @@
 """The shared KV cache: exact rollback after the sliding window wraps, on the host or the
-device, or a clear error; rows joining and leaving; snapshots of the sliding layers."""
+device, or a clear error; rows joining and leaving; states read out and resumed."""
 
 import mlx.core as mx
 import numpy as np
@@ -93,17 +93,24 @@ def test_rows_join_and_leave():
     assert a.offsets().tolist() == [23] and held(a, SLIDING) == list(range(10, 23))
 
 
-def test_snapshot_restores_the_sliding_layers_long_after():
+def test_a_state_read_out_is_resumed_exactly_and_reads_past_the_ring_raise():
     cache = make(max_rollback=2)
     fill(cache, 40)
-    snap = cache.snapshot()
-    sliding = held(cache, SLIDING)
-    fill(cache, 60)
-    with pytest.raises(CacheError):
-        cache.truncate([45])  # the window moved on
-    cache.restore(snap)
-    assert cache.offsets().tolist() == [40]
-    assert held(cache, SLIDING) == sliding and held(cache, FULL) == list(range(40))
+    full, sliding = cache.read(0, 40, FULL), cache.read(40 - W - 1, 40, SLIDING)
+    assert set(full) == {1} and set(sliding) == {0} and full[1][0].shape[2] == 40
+    fill(cache, 60)  # the ring moves on; what was read out stays
+    with pytest.raises(CacheError, match="not all held"):
+        cache.read(40 - W - 1, 40, SLIDING)
+    resumed = make(max_rollback=2)
+    resumed.resume(40, full, sliding)
+    assert resumed.offsets().tolist() == [40]
+    assert held(resumed, FULL) == list(range(40)) and held(resumed, SLIDING) == list(range(40 - W - 1, 40))
+    with pytest.raises(CacheError, match="sliding-window"):
+        resumed.trim(1)  # the ring holds nothing older than the window: nothing to roll back to
+    fill(resumed, 20)
+    assert held(resumed, FULL) == list(range(60)) and held(resumed, SLIDING) == list(range(60 - W - 1 - 2, 60))
+    with pytest.raises(CacheError, match="empty"):
+        resumed.resume(5, full, sliding)
 
 
 def test_model_rollback_after_wrap_equals_never_having_seen_the_tokens():

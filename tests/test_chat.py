@@ -59,6 +59,8 @@ def test_a_scripted_session_over_stdin(model_dir, loaded):
     assert "> " not in out.stdout  # no prompts without a terminal
     assert out.stdout.startswith(first + "\n" + "last reply:")
     assert "KV cache:" in out.stdout and "/reset" in out.stdout  # /stats, /help
+    assert "\nmemory: active " in out.stdout and "peak " in out.stdout  # /stats: MLX's memory
+    assert sum(line.startswith("memory: ") for line in out.stderr.splitlines()) == 1  # the defaults, at start
     assert f"\n{second}\n(new conversation)\n{first}\n" in out.stdout  # /reset starts over
     assert sum(line.startswith("[") and "tok/s" in line for line in out.stderr.splitlines()) == 3
 

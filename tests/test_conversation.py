@@ -30,7 +30,9 @@ def turn(conv, text, max_tokens=30, **kwargs):
 
 
 def cached(conv):
-    return int(conv.cache.offsets()[0])
+    """How much of the conversation a next turn resumes from (the state after all of it but the
+    reply's last token is kept)."""
+    return conv.prefix_cache.lookup(conv.tokens)
 
 
 def test_turns_reuse_the_cache_and_match_fresh_prefills(loaded):

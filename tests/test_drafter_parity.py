@@ -2,11 +2,13 @@
 
 import mlx.core as mx
 import numpy as np
-from conftest import reference, tiny_drafter, tiny_target
+import pytest
+from conftest import BOTH_KERNELS, reference, tiny_drafter, tiny_target
 
 from mlx_mtp.models.base import SharedKV
 
 TOL = 1e-4
+pytestmark = [pytest.mark.usefixtures("fused"), BOTH_KERNELS]  # every check on both kernel branches
 
 
 def reference_kv(ref):

@@ -3,12 +3,13 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TINY, reference, tiny_target
+from conftest import BOTH_KERNELS, TINY, reference, tiny_target
 
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 
 TOL = 1e-4  # fp32; references are float64 forwards of the same weights
+pytestmark = [pytest.mark.usefixtures("fused"), BOTH_KERNELS]  # every check on both kernel branches
 
 
 def max_diff(a, b) -> float:

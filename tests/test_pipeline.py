@@ -35,7 +35,7 @@ def start_ranks(tmp_path: Path, *args, **env) -> list:
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
     """The tiny dense target with a chat tokenizer whose template rewrites history, so a
-    conversation's cache is cut back (and restored from its snapshot) between turns."""
+    conversation resumes from a state before its last reply each turn."""
     return make_chat_model(tmp_path_factory.mktemp("pp") / "dense", REWRITING_TEMPLATE)
 
 

@@ -17,7 +17,7 @@ from test_bench_regime import needs_mkl, run_python
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.models import gemma4, quantized
-from mlx_mtp.models.base import gpu_paths
+from mlx_mtp.models.base import force_fused
 from mlx_mtp.models.quantized import (
     ROW_EXACT_TOKENS, QuantizedEmbedding, QuantizedLinear, dequantize_rows, dequantizing_from, switch_glu,
 )
@@ -36,7 +36,7 @@ def diff(a, b) -> float:
 
 def run(branch, fn):
     gpu, rows = branch
-    with gpu_paths(gpu), dequantizing_from(rows):
+    with force_fused(gpu), dequantizing_from(rows):
         out = fn()
         mx.eval(out)
         return out
@@ -147,7 +147,7 @@ def test_greedy_mtp_equals_plain_on_the_quantized_moe(quantized_moe, branch):
 
     prompt = reference("moe")["prompt"].tolist()
     gpu, rows = branch
-    with gpu_paths(gpu), dequantizing_from(rows):
+    with force_fused(gpu), dequantizing_from(rows):
         plain = [t for t, _ in generate_tokens(quantized_moe, prompt, max_tokens=24)]
         mtp = [t for t, _ in generate_tokens(quantized_moe, prompt, drafter=tiny_drafter("moe"), draft_tokens=3,
                                              max_tokens=24)]
@@ -184,7 +184,7 @@ def test_decode_and_verify_forwards_compute_each_row_alone(quantized_moe, monkey
     monkeypatch.setattr(mx, "dequantize", spy)
     prompt = reference("moe")["prompt"]
     ids = mx.array(np.stack([prompt, prompt[::-1]]))
-    with gpu_paths(False), dequantizing_from(1):
+    with force_fused(False), dequantizing_from(1):
         cache = quantized_moe.make_cache(2)
         mx.eval(quantized_moe(ids[:, :12], cache).logits)
         assert calls

@@ -111,7 +111,8 @@ def test_chat_answer_is_the_models_greedy_reply_with_usage_and_timings(client, l
     assert choice.finish_reason == expected.finish_reason == "length"
     u, t = r.usage, r.timings
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(ids), 24, len(ids) + 24)
-    assert (t["prompt_n"], t["predicted_n"]) == (len(ids), 24)
+    assert (t["prompt_n"] + t["cache_n"], t["predicted_n"]) == (len(ids), 24)
+    assert u.prompt_tokens_details.cached_tokens == t["cache_n"]
     assert min(t["prompt_ms"], t["predicted_ms"], t["prompt_per_second"], t["predicted_per_second"]) > 0
     assert 0 < t["draft_n"] and 0 <= t["draft_n_accepted"] <= t["draft_n"]  # MTP ran
     plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
@@ -339,6 +340,28 @@ def test_metrics_count_each_request(client, url):
     assert 0 < drafts <= t["draft_n"] <= 3 * drafts  # 1 to K = 3 drafts per verify forward
     per_pos = sum(after[k] - before.get(k, 0) for k in after if "per_pos" in k)
     assert per_pos == t["draft_n_accepted"]
+
+
+def test_a_growing_conversation_prefills_only_what_is_new(client, url):
+    """An agent re-sends the whole conversation each call: the prefix cache restores what the
+    last call computed, and every figure says so (usage, timings, /metrics)."""
+    messages = [{"role": "system", "content": "You write Python. " * 8}, {"role": "user", "content": "Sort a list."}]
+    before, answers = metrics(url), []
+    for call in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        answers.append(r)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"Now call it on [{call}, 3, 1]."}]
+    after = metrics(url)
+    for previous, r in zip(answers, answers[1:]):
+        cached, t = r.usage.prompt_tokens_details.cached_tokens, r.timings
+        assert cached == t["cache_n"] >= previous.usage.prompt_tokens  # the last call's prompt, whole
+        assert r.usage.prompt_tokens == cached + t["prompt_n"] and t["prompt_n"] < 60
+    hits = sum(r.usage.prompt_tokens_details.cached_tokens for r in answers)
+    assert after["mlx_mtp:prefix_cache_hits_total"] - before["mlx_mtp:prefix_cache_hits_total"] == hits
+    queries = after["mlx_mtp:prefix_cache_queries_total"] - before["mlx_mtp:prefix_cache_queries_total"]
+    assert queries == sum(r.usage.prompt_tokens for r in answers)
+    assert after["mlx_mtp:prefix_cache_bytes"] > 0
 
 
 def test_engine_queue_limit_and_metrics(loaded):

@@ -1,7 +1,7 @@
 """Speculative decoding emits exactly what the target alone would (greedy), past the window."""
 
 import pytest
-from conftest import reference, tiny_drafter, tiny_target
+from conftest import fused_too, reference, tiny_drafter, tiny_target
 
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.oracle import OracleDrafter as Oracle
@@ -57,8 +57,8 @@ def test_seeded_auto_output_does_not_depend_on_timing(monkeypatch):
     assert all(run == runs[0] for run in runs)
 
 
-@pytest.mark.parametrize("p_right", [0.5, 0.8, 0.95])
-def test_greedy_mtp_equals_plain_with_oracle_partial_acceptance(variant, p_right):
+@pytest.mark.parametrize("p_right, fused", fused_too([0.5, 0.8, 0.95], [0.8]), indirect=["fused"])
+def test_greedy_mtp_equals_plain_with_oracle_partial_acceptance(variant, p_right, fused):
     truth, stats = plain(variant), Stats()
     drafter = OracleDrafter(tiny_target(variant), 20, truth, p_right)
     assert mtp(variant, drafter, 4, stats=stats) == truth

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,
-realsize} [options]`
+agent,realsize} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -22,7 +22,8 @@ MODES = {
     "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),
     "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
     "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
-    "pipeline": ("pipeline", "run_pipeline_bench"), "realsize": ("realsize", "run_realsize"),
+    "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
+    "realsize": ("realsize", "run_realsize"),
 }
 
 
@@ -162,6 +163,22 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
     h.add_argument("--quick", action="store_true", help="12 rounds, 1 repeat")
     h.set_defaults(repeats=5)
+
+    a = sub.add_parser("agent", help="agent sessions through the HTTP server: prefill and TTFT per call with the "
+                                     "prefix cache on and off (issue 17)")
+    common(a, "agent")
+    a.add_argument("--pair", default="demo", help="demo | mid (the mid pair with the demo tokenizer and --context "
+                                                  "positions: long contexts)")
+    a.add_argument("--calls", type=int, default=25, help="calls per session (fewer when the context fills)")
+    a.add_argument("--sessions", type=int, default=4, help="concurrent sessions sharing the system prompt")
+    a.add_argument("--system-tokens", type=int, default=600, help="system prompt (tool declarations) tokens")
+    a.add_argument("--max-tokens", type=int, default=12, help="tokens per reply")
+    a.add_argument("--context", type=int, default=12288, help="--pair mid: its max positions")
+    a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
+    a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
+                                                                  "seeded (comma list)")
+    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
+    a.set_defaults(repeats=1)
 
     r = sub.add_parser("realsize", help="a released shape with random weights through the product: load, memory, "
                                         "prefill, decode at B rows, MTP (oracle) vs plain, long-context K/V")

@@ -138,7 +138,6 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
         out[T] = time_fn(chain, repeats) / copies
         log(f"  layer {index} ({attn.layer_type}) T={T}: {1000 * out[T]:.1f} ms/layer")
     size = nbytes(layers[0])
-    del layers
     return out, size
 
 
@@ -216,7 +215,6 @@ def time_drafter(shape, tcfg, batches, context, repeats, bits, log):
         out[B] = time_fn(step, repeats)
         log(f"  drafter B={B}: {1000 * out[B]:.1f} ms/step")
     size = nbytes(model)
-    del model
     return out, source, size
 
 

@@ -7,8 +7,8 @@ K meets the same luck) but with one truth per row: row r proposes the plain gree
 of its own prompt. It runs the pair's real drafter too (`inner`), so each round pays the real
 drafting cost; its tokens are not used. Rows are B different random-id prompts of the same length.
 
-Method. Each row's prompt but its last token is prefilled once into a one-row cache; every run
-inserts copies of those caches (`KVCache.take`) with the last token as the prompt, and the rows
+Method. Each row's prompt but its last token is prefilled once into a prefix cache; every run
+inserts the prompts, which resume from there and feed only their last token, and the rows
 join the batch in the same step (`JoinTogether`, a bench-only subclass that prefills every
 pending row in one step), so every round has B rows. Timed: from the step that delivered the
 rows' first tokens to the last event (the decode phase). One BatchGenerator per mode and B is
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +30,7 @@ from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
+from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.sample import uniform
 from mlx_mtp.speculative import K_MAX, MAX_ROLLBACK, Drafts
 
@@ -83,24 +83,22 @@ class JoinTogether(BatchGenerator):
         return did
 
 
-def prefilled(target, prompts: list) -> list:
-    """One-row caches holding each prompt but its last token (evaluated)."""
-    caches = []
+def prefilled(target, prompts: list) -> PrefixCache:
+    """A prefix cache holding the state after each prompt but its last token (pinned: with a
+    budget of 0 it keeps nothing else, so the runs leave nothing behind)."""
+    states = PrefixCache(target, budget=0)
     for p in prompts:
         cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
         target(mx.array([p[:-1]], dtype=mx.int32), cache, keep=0)
         mx.eval(cache.keys, cache.values, cache.offset)
-        caches.append(cache)
-    return caches
+        states.store(p[:-1], cache, pin="prompts")
+    return states
 
 
-def decode_run(gen: BatchGenerator, prompts: list, caches: Optional[list], n: int) -> dict:
-    """Rows continue from copies of `caches` (None: the prompts are prefilled here); times the
-    decode phase (after the first tokens)."""
-    if caches is None:
-        uids = [gen.insert(p, max_tokens=n) for p in prompts]
-    else:
-        uids = [gen.insert(p[-1:], max_tokens=n, cache=c.take(0)) for p, c in zip(prompts, caches)]
+def decode_run(gen: BatchGenerator, prompts: list, n: int) -> dict:
+    """Rows resume from the prompts' states (`gen.prefix`); times the decode phase (after the
+    first tokens)."""
+    uids = [gen.insert(p, max_tokens=n) for p in prompts]
     out = {u: [] for u in uids}
     begun, reads = None, []
     while gen.busy:
@@ -150,7 +148,7 @@ def bench_pair(name: str, args, log) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(4, vocab, args.context).tolist() for _ in range(max(batches))]
     truths = [[t for t, _ in generate_tokens(target, p, max_tokens=n)] for p in prompts]
-    caches = prefilled(target, prompts)
+    states = prefilled(target, prompts)
     inner = MTPProposer(drafter, target)
     modes = {"plain": (None, 0)}  # name -> (proposer, K)
     oracles = {p: RowsOracle(truths, [len(x) for x in prompts], vocab, p, inner) for p in ps}
@@ -159,8 +157,8 @@ def bench_pair(name: str, args, log) -> dict:
             modes[f"oracle-{p}-K{k}"] = (oracles[p], k)
     if not args.no_random:
         modes["random-auto"] = (random_drafter, "auto")
-    gens = {(m, B): JoinTogether(target, proposer, draft_tokens=k) for m, (proposer, k) in modes.items()
-            for B in batches}
+    gens = {(m, B): JoinTogether(target, proposer, draft_tokens=k, prefix_cache=states)
+            for m, (proposer, k) in modes.items() for B in batches}
     results = {key: [] for key in gens}
     mismatches = []
 
@@ -170,7 +168,7 @@ def bench_pair(name: str, args, log) -> dict:
         if isinstance(proposer, RowsOracle):
             proposer.start(gen, seed)
         B = key[1]
-        run = decode_run(gen, prompts[:B], caches[:B], n)
+        run = decode_run(gen, prompts[:B], n)
         if run["tokens"] != truths[:B]:
             mismatches.append(f"{name} B={B} {key[0]}: output differs from plain greedy")
         run["stats"] = gen.stats

@@ -163,7 +163,7 @@ def measure_plain(target, prompts: list, batches: list, tokens: dict, log) -> di
     cfg, out = target.config, {}
     for B in batches:
         gemma4.ROUTER_RECORD = [] if cfg.enable_moe_block else None
-        run = decode_run(JoinTogether(target), prompts[:B], None, tokens[B])
+        run = decode_run(JoinTogether(target), prompts[:B], tokens[B])
         unions = expert_unions(gemma4.ROUTER_RECORD or [], cfg.num_hidden_layers, B)
         gemma4.ROUTER_RECORD = None
         step = median(run["step_seconds"])
@@ -187,7 +187,7 @@ def measure_mtp(target, drafter, prompts, plain: dict, k: int, p: float, batches
                             MTPProposer(drafter, target))
         gen = JoinTogether(target, oracle, draft_tokens=k)
         oracle.start(gen, seed=0)
-        run = decode_run(gen, prompts[:B], None, len(truths[0]))
+        run = decode_run(gen, prompts[:B], len(truths[0]))
         diverged = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
                     for got, want in zip(run["tokens"], truths)]
         base = plain[B]
@@ -214,7 +214,6 @@ def measure_steps(target, drafter, batches: list, mtp_batches: list, k: int, rep
     for group in groups:
         for case, times in _interleaved(target, drafter, group, repeats, rng, log).items():
             samples.setdefault(case, []).append(times)
-    one = lambda B, r: samples[(B, 1)][0][r]  # noqa: E731  (the first group that timed B rows)
     within = lambda f: median([f(r) for r in range(repeats)])  # noqa: E731
     return figure(
         seconds={f"{a}x{b}": median([t for times in v for t in times]) for (a, b), v in samples.items()}, k=k,

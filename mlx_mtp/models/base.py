@@ -6,9 +6,9 @@ nothing outside `models/` names a Gemma class.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
@@ -124,28 +124,29 @@ class Drafter(Protocol):
         ...
 
 
-_FORCED_GPU_PATHS: Optional[bool] = None  # set by `gpu_paths`
+_forced_fused: Optional[bool] = None  # set by `force_fused`
 
 
 def fused_kernels() -> bool:
     """True where MLX's kernels are a GPU's: `mx.fast` ops are single kernels, quantized matmuls
-    are fast in any activation dtype and `gather_qmm` serves many rows. On the CPU backend models
-    build cheaper equivalents (see `models/quantized.py`). `gpu_paths` forces either answer."""
-    if _FORCED_GPU_PATHS is not None:
-        return _FORCED_GPU_PATHS
+    are fast in any activation dtype and `gather_qmm` serves many rows. On the CPU they are not
+    (split into many small ops; see `models/quantized.py`), so models build cheaper equivalents."""
+    if _forced_fused is not None:
+        return _forced_fused
     return mx.default_device() == mx.gpu
 
 
-@contextmanager
-def gpu_paths(enabled: bool) -> Iterator[None]:
-    """Compute as on a GPU (True) or as on the CPU backend (False), whatever the device: both
-    branches give the same results, so tests run each on one machine."""
-    global _FORCED_GPU_PATHS
-    before, _FORCED_GPU_PATHS = _FORCED_GPU_PATHS, enabled
+@contextlib.contextmanager
+def force_fused(on: Optional[bool]) -> Iterator[None]:
+    """Within the block models take the `mx.fast` branch (True), the compiled-ops branch (False)
+    or the device's choice (None), so tests and the selftest run either branch on any device.
+    Process-wide: meant for tests and the selftest, not for threads serving requests."""
+    global _forced_fused
+    saved, _forced_fused = _forced_fused, on
     try:
         yield
     finally:
-        _FORCED_GPU_PATHS = before
+        _forced_fused = saved
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:

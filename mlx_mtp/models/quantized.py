@@ -17,7 +17,7 @@ whose rows shared a weight would differ in the last bits from the decode steps i
 and bf16 activations and near-tied logits turn that into different tokens (greedy MTP != plain
 at B=4 on 26B-A4B). The per-row kernel computes each row alone, however many share it.
 
-Both branches give the same results to fp32 rounding; `gpu_paths` and `dequantizing_from`
+Both branches give the same results to fp32 rounding; `force_fused` and `dequantizing_from`
 force each choice so tests run all of them on one machine.
 """
 
@@ -97,7 +97,6 @@ def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
     g /= rows
     if g >= 0.8 * q:
         return math.inf
-    del dense
     d = fastest(lambda: mx.dequantize(w, scales, biases, 64, 4))[0]
     return max(2, math.ceil(d / (q - g)))
 

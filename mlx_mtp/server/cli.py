@@ -14,8 +14,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from ..chat import draft_tokens
     from .app import MAX_BODY_BYTES
 
-    ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI-compatible server for Gemma 4 "
-                                 "with MTP speculative decoding (chat and text completions, SSE streaming).")
+    ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
+                                 "for Gemma 4 with MTP speculative decoding (chat, text completions and messages, "
+                                 "tool calls and thinking, SSE streaming).")
     ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
     ap.add_argument("--drafter", help="MTP drafter dir or hub id (default: none, plain decoding; the demo's "
                     "own drafter for the demo pair)")
@@ -26,15 +27,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
-    ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/ endpoints")
+    ap.add_argument("--api-key", help="require the key on /v1/ endpoints (`Authorization: Bearer KEY` or "
+                    "`x-api-key: KEY`)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
                     help="draft length for requests that do not send `draft_tokens`")
+    ap.add_argument("--enable-thinking", action="store_true",
+                    help="let the model reason before answering, for requests that do not say "
+                         "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="larger request bodies get 413")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--prompt-cache-bytes", type=int, metavar="N",
+                       help="prefix cache budget in bytes: a request prefills only what no earlier one "
+                            "computed (default: a quarter of the memory the weights leave; 0: off)")
+    cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.prompt_cache_gb is not None:
+        args.prompt_cache_bytes = int(args.prompt_cache_gb * 2**30)
+    if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
+        ap.error("the prompt cache budget must be >= 0 (0 turns it off)")
+    return args
 
 
 def load_model(args):
@@ -56,11 +71,6 @@ def load_model(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import uvicorn
-
-    from ..engine import Engine
-    from .app import Settings, create_app, served_model
-
     if args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host}, reachable from other machines"
               + ("" if args.api_key else "; consider --api-key"), file=sys.stderr)
@@ -69,15 +79,30 @@ def main(argv=None) -> int:
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    settings = Settings(served_model(loaded, model_id, args.draft_tokens), args.api_key, args.max_body_bytes)
+    return serve(loaded, model_id, args)
+
+
+def serve(loaded, model_id: str, args) -> int:
+    """Serve a loaded model as `model_id` until interrupted."""
+    import uvicorn
+
+    from ..engine import Engine
+    from .app import Settings, create_app, served_model
+
+    model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking)
+    settings = Settings(model, args.api_key, args.max_body_bytes)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue) as engine:
+        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
+                    prompt_cache_bytes=args.prompt_cache_bytes) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
-            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp})", file=sys.stderr,
-                  flush=True)
+            print(engine.memory.describe(), file=sys.stderr)
+            cache = f"prefix cache {engine.prompt_cache_bytes / 2**30:.2f} GiB" if engine.prompt_cache_bytes else \
+                "prefix cache off"
+            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
+                  file=sys.stderr, flush=True)
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)

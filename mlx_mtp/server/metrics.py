@@ -17,6 +17,13 @@ METRICS = [
     ("spec_drafts", "spec_decode_num_drafts_total", "counter", "Verify forwards that carried drafts."),
     ("spec_draft_tokens", "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     ("spec_accepted_tokens", "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("prefix_cache_queries", "prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits_total", "counter", "Prompt tokens restored from the prefix cache."),
+    ("prefix_cache_bytes", "prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds."),
+    ("prefix_cache_states", "prefix_cache_states", "gauge", "States the prefix cache can restore."),
+    ("active_memory_bytes", "memory_active_bytes", "gauge", "Bytes of MLX arrays alive."),
+    ("cache_memory_bytes", "memory_cache_bytes", "gauge", "Bytes MLX keeps in its buffer cache for reuse."),
+    ("peak_memory_bytes", "memory_peak_bytes", "gauge", "Most bytes of MLX arrays alive at once."),
 ]
 PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 
