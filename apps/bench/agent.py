@@ -71,7 +71,9 @@ def run_agent(args, log) -> dict:
                 results[cache][name] = run(url)
             finally:
                 stop_server(proc)
-            log(f"{name}, prefix cache {cache}: done")
+            done = summary(name, cache, results[cache][name], None, len(tokenizer.encode(system)))
+            log(f"{name}, prefix cache {cache}: done " + json.dumps({k: v for k, v in done.items()
+                                                                    if k != "same_replies"}))
     rows = [summary(name, cache, runs, results.get("off", {}).get(name), len(tokenizer.encode(system)))
             for cache in caches for name, runs in results[cache].items()]
     mismatches = [f"{r['scenario']}: replies differ with the cache on" for r in rows if r["same_replies"] is False]
