@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache, Step
-from .base import BaseConfig, ConfigError, TargetOutput, fused_kernels, log, rms_norm
+from .base import BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, rms_norm
 
 
 @dataclasses.dataclass
@@ -188,11 +188,15 @@ class Rope:
         if fused_kernels():
             return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=step.offset,
                                 freqs=self.freqs)
+        return _rotate(x, *self.table(step))
+
+    def table(self, step: Step) -> tuple[mx.array, mx.array]:
+        """(cos, sin) of `step`'s positions, (B, 1, L, D/2): made once per step and layer type."""
         table = step.scratch.get(self.key)
         if table is None:
-            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse  # (B, 1, L, D/2)
+            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse
             table = step.scratch[self.key] = (mx.cos(angles), mx.sin(angles))
-        return _rotate(x, *table)
+        return table
 
 
 @mx.compile
@@ -221,20 +225,20 @@ class Attention(nn.Module):
                 self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
-        self._rope = Rope(cfg.rope_parameters[self.layer_type], hd)
+        self.rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
-    def __call__(self, x: mx.array, step: Step, cache: Optional[KVCache] = None, shared_kv=None):
+    def __call__(self, x: mx.array, step: Step, shared_kv=None):
         """Returns (output, kv): kv is the (keys, values) attended over, which a KV-shared
-        layer passes in as `shared_kv` instead of computing its own."""
+        layer passes in as `shared_kv` instead of computing (and storing) its own."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        q = self._rope(q.transpose(0, 2, 1, 3), step)
+        q = self.rope(q.transpose(0, 2, 1, 3), step)
         if shared_kv is None:
             k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
             v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-            k = self._rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
             v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
-            shared_kv = cache.update(self.index, k, v, step)
+            shared_kv = step.store(self.index, k, v)
         out = mx.fast.scaled_dot_product_attention(q, *shared_kv, scale=1.0, mask=step.masks[self.layer_type])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared_kv
 
@@ -320,9 +324,9 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(P, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
-    def __call__(self, x, step: Step, cache=None, shared_kv=None, per_layer_input=None):
+    def __call__(self, x, step: Step, shared_kv=None, per_layer_input=None):
         """One residual block; returns (output, kv) as `Attention` does."""
-        attn, kv = self.self_attn(self.input_layernorm(x), step, cache, shared_kv)
+        attn, kv = self.self_attn(self.input_layernorm(x), step, shared_kv)
         h = x + self.post_attention_layernorm(attn)
         f = self.mlp(self.pre_feedforward_layernorm(h))
         if "router" in self:
@@ -375,12 +379,11 @@ class TextModel(nn.Module):
         """The layers this process computes: all of them, or its pipeline stage's."""
         return (0, self.cfg.num_hidden_layers) if self.pipeline is None else self.pipeline.span
 
-    def __call__(self, ids: mx.array, cache: KVCache, keep: Optional[int] = None) -> Optional[mx.array]:
+    def __call__(self, ids: mx.array, step: Step, keep: Optional[int] = None) -> Optional[mx.array]:
         """Hidden states (B, L, H), or only the last `keep` positions' (None for keep=0). A
         pipeline stage before the last hands its output to the next rank and returns None."""
         cfg = self.cfg
         B, L = ids.shape
-        step = cache.begin(L)
         first, end = self.span
         x = self.embed(ids) if first == 0 else self.pipeline.receive((B, L, cfg.hidden_size))
         ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
@@ -394,7 +397,7 @@ class TextModel(nn.Module):
                 x, step = x[:, L - keep :], step.last(keep)
                 ple = ple[:, L - keep :] if ple is not None else None
             pli = ple[:, :, i] if ple is not None else None
-            x, kv = layer(x, step, cache if src == i else None, kvs.get(src), pli)
+            x, kv = layer(x, step, kvs.get(src), pli)
             if src == i and i in self.sources:
                 kvs[i] = kv
         if end < cfg.num_hidden_layers:
@@ -430,11 +433,22 @@ class Model(nn.Module):
         """Forward `tokens` (B, L) after what `cache` holds. `keep`: only the last `keep`
         positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
-        hidden = self.model(tokens, cache, keep)
+        step = cache.begin(tokens.shape[1])
+        whole = self.pipeline is None and ROUTER_RECORD is None  # (sends and records are not compiled)
+        forward = self._compiled_forward if step.fixed and whole else self._forward
+        logits, hidden, step.keys[:], step.values[:] = forward(tokens, step, keep)
         if self.model.span[1] < self.config.num_hidden_layers:
             return self._elsewhere(tokens.shape, keep)
-        logits = None if hidden is None else self.logits(hidden)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def _forward(self, tokens: mx.array, step: Step, keep: Optional[int]) -> tuple:
+        """(logits, hidden, K buffers, V buffers) of one forward."""
+        hidden = self.model(tokens, step, keep)
+        logits = None if hidden is None or self.model.span[1] < self.config.num_hidden_layers else self.logits(hidden)
+        return logits, hidden, step.keys, step.values
+
+    # A step that keeps its shapes (decoding, verifying) runs as one compiled graph.
+    _compiled_forward = compiled(_forward)
 
     def _elsewhere(self, shape: tuple[int, int], keep: Optional[int]) -> TargetOutput:
         """An earlier pipeline stage's output: logits and hidden states live on the last rank.

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ..cache import FULL, SLIDING, Step
 from . import gemma4
-from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel
+from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel, compiled, fused_kernels
 
 
 @dataclasses.dataclass
@@ -94,6 +94,10 @@ class Model(nn.Module):
             step: `self.step(shared_kv, position[:, None])`, made once for a block's steps.
         """
         step = step if step is not None else self.step(shared_kv, position[:, None])
+        return self._draft(token_embed, hidden, shared_kv, step)
+
+    @compiled  # every step of every round has the same shapes: one compiled graph
+    def _draft(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> DraftOutput:
         h = self.trunk(token_embed[:, None], hidden[:, None], shared_kv, step)[:, 0]
         next_hidden = self.post_projection(h)
         if "masked_embedding" in self:
@@ -102,10 +106,14 @@ class Model(nn.Module):
         return DraftOutput(self.model.embed_tokens.as_linear(h), next_hidden)
 
     def step(self, shared_kv: dict[str, SharedKV], positions: mx.array) -> Step:
-        """Masks (and room for RoPE tables) for (B, T) queries at consecutive positions over the
-        target's K/V: the same for every step of a draft block."""
+        """Masks and RoPE tables for (B, T) queries at consecutive positions over the target's
+        K/V: the same for every step of a draft block."""
         masks = {kind: self.model.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
-        return Step(positions, positions[:, 0], masks, {}, {})
+        step = Step(positions, positions[:, 0], masks, {}, {})
+        if not fused_kernels():
+            for layer in self.model.layers:
+                layer.self_attn.rope.table(step)
+        return step
 
     def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
         """Pre-projection and decoder layers for (B, T) queries at `step.positions`: one query
