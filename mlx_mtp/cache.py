@@ -177,7 +177,7 @@ class KVCache:
 
     def begin(self, length: int) -> Step:
         """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
-        positions = self.offset[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        positions = self.offset[:, None] + mx.array(np.arange(length, dtype=np.int32))  # a constant: no graph node
         self._grow(int(self.bound.max(initial=0)) + length)
         ring = self.tracks[SLIDING]
         fixed = (length <= min(FIXED_LENGTH, ring.capacity - ring.window + 1)
@@ -414,6 +414,7 @@ def _rows_or_zeros(buf: Optional[mx.array], rows: int, like: mx.array) -> mx.arr
     return buf.astype(like.dtype)
 
 
+@mx.compile  # one kernel for the comparisons, per step and attention type
 def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int]) -> mx.array:
     """(B, 1, L, T): key slot at kpos is visible to the query at qpos."""
     k, q = kpos[:, None, :], qpos[:, :, None]

@@ -12,8 +12,9 @@ random state has to travel between rounds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -80,6 +81,27 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.min_p > 0.0:
         x = apply_min_p(x, params.min_p)
     return mx.softmax(x, axis=-1, precise=True)
+
+
+def params_key(params: Sequence[SamplingParams]) -> tuple:
+    """Each row's sampling parameters as a compile constant (rebuilt with `SamplingParams(*row)`)."""
+    return tuple(dataclasses.astuple(p) for p in params)
+
+
+def compiled_per_key(fn: Callable, limit: int = 64) -> Callable:
+    """`mx.compile` a function whose last argument is a constant key (e.g. `params_key`): traced
+    once per key and shapes. MLX never frees traces, so past `limit` distinct keys (a server
+    seeing ever new parameters) new keys run uncompiled."""
+    fast, keys = mx.compile(fn), set()
+
+    def call(*args):
+        if args[-1] not in keys:
+            if len(keys) >= limit:
+                return fn(*args)
+            keys.add(args[-1])
+        return fast(*args)
+
+    return call
 
 
 def batch_probs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

@@ -21,7 +21,8 @@ import numpy as np
 
 from .cache import KVCache
 from .models.base import TargetModel, TargetOutput
-from .sample import ACCEPT, RESAMPLE, batch_probs, greedy_accept, rejection_accept, uniform
+from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, compiled_per_key, greedy_accept, params_key,
+                     rejection_accept, uniform)
 
 K_MAX = 6  # the longest draft; one verify forward covers K_MAX + 1 tokens per row
 # Rollback a cache must allow: a round's rejected drafts are undone on the device, and when a
@@ -100,16 +101,28 @@ def counted(drafts: Drafts, plan: Plan) -> mx.array:
 
 def accept(drafts: Drafts, out: TargetOutput, plan: Plan, limit: mx.array, seeds: mx.array, base: mx.array):
     """(accepted drafts, next token) per row: greedy prefix match, or exact rejection sampling
-    against the drafter's q. `base` (B,) is the position of each row's last token."""
-    k = drafts.tokens.shape[1]
+    against the drafter's q. `base` (B,) is the position of each row's last token. A compiled
+    function of the target's logits (B, K+1, V), so that what changes logits before the
+    decision can come in between."""
     if plan.greedy:
-        return greedy_accept(drafts.tokens, mx.argmax(out.logits, axis=-1), limit if k else None)
-    p = batch_probs(out.logits, plan.params)
-    q = drafts.q  # None: a deterministic proposal, q one-hot on it
-    if q is None:
-        q = (mx.arange(p.shape[-1])[None, None] == drafts.tokens[..., None]).astype(mx.float32)
+        return _greedy(drafts.tokens, out.logits, limit if drafts.tokens.shape[1] else None)
+    return _sampled(drafts.tokens, drafts.q, out.logits, limit, seeds, base, params_key(plan.params))
+
+
+@mx.compile
+def _greedy(drafts: mx.array, logits: mx.array, limit: Optional[mx.array]):
+    return greedy_accept(drafts, mx.argmax(logits, axis=-1), limit)
+
+
+@compiled_per_key
+def _sampled(drafts: mx.array, q: Optional[mx.array], logits: mx.array, limit: mx.array, seeds: mx.array,
+             base: mx.array, key: tuple):
+    p = batch_probs(logits, [SamplingParams(*row) for row in key])
+    if q is None:  # a deterministic proposal: q is one-hot on it
+        q = (mx.arange(p.shape[-1])[None, None] == drafts[..., None]).astype(mx.float32)
+    k = drafts.shape[1]
     positions = base[:, None] + 1 + mx.arange(k + 1, dtype=mx.int32)[None]  # of d_1 .. d_K, bonus
-    return rejection_accept(drafts.tokens, q, p, uniform(seeds, positions[:, :k], ACCEPT),
+    return rejection_accept(drafts, q, p, uniform(seeds, positions[:, :k], ACCEPT),
                             uniform(seeds, positions, RESAMPLE), limit)
 
 
