@@ -1,5 +1,5 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent}
-[options]`
+"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
+mixed} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -23,6 +23,7 @@ MODES = {
     "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
     "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
     "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
+    "mixed": ("mixed", "run_mixed"),
 }
 
 
@@ -175,6 +176,16 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--context", type=int, default=12288, help="--pair mid: its max positions")
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
     a.set_defaults(repeats=1)
+
+    x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "
+                                     "and per-row auto (issue 20)")
+    common(x, "mixed")
+    x.add_argument("--pair", default="demo", help="demo (a pair with a tokenizer: prose and code prompts)")
+    x.add_argument("--prose", type=int, default=2, help="prose rows")
+    x.add_argument("--code", type=int, default=2, help="code rows")
+    x.add_argument("--k", default="3", help="fixed draft lengths to compare (comma list)")
+    x.add_argument("--tokens", type=int, default=64, help="tokens per row")
+    x.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
     return ap
 
 

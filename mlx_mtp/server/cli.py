@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import uvicorn
 
+    from .. import jit
     from ..engine import Engine
     from .app import Settings, create_app, served_model
 
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
                 "prefix cache off"
             print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
                   file=sys.stderr, flush=True)
+            jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)
