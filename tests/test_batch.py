@@ -10,7 +10,8 @@ from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.sample import SamplingParams
-from mlx_mtp.speculative import DraftPolicy
+from mlx_mtp.speculative import Acceptance, DraftPolicy, Member
+from mlx_mtp.stats import Stats
 
 HOT = SamplingParams(temperature=1.0, top_p=0.95)
 
@@ -117,6 +118,36 @@ def test_seeded_rows_are_identical_alone_and_batched():
     out, _ = run_batch(BatchGenerator(target, drafter), jobs, join_later=(5, 6))
     assert out[0] == solo
     assert alone("moe", ps[0], 30, drafter=drafter, sampling=HOT, seed=8) != solo  # the seed matters
+
+
+def test_each_row_is_expected_to_draft_as_it_has_so_far():
+    """Issue 20: a row's own acceptance (the drafter's estimate over all rows as its prior) sets
+    the draft length, so a hard prompt is not drafted for as if it were easy, nor the reverse."""
+    policy = DraftPolicy("auto", k_max=4)
+    easy, hard = Member(Acceptance()), Member(Acceptance())
+    for _ in range(30):  # alternating requests, one easy text and one hard; a round costs 1 + K/4 plain steps
+        for who, accepted in ((easy, lambda k: k), (hard, lambda k: 0)):
+            for k in range(5):
+                policy.observe(1, k, [accepted(k)], 1 + k / 4, members=[who])
+    assert policy._best(1, (easy,)) >= 3
+    assert policy._best(1, (hard,)) == 0
+    assert policy._best(1) >= 3  # the drafter-wide estimate alone: the hard row drafted for as if easy
+
+
+def test_auto_rows_count_every_draft_of_a_round_a_fixed_row_lengthens():
+    """A seeded sampled row drafts SEEDED_K tokens a round whatever the policy says; a greedy
+    auto row in the same batch counts those drafts too (they cost nothing more), and stays exact."""
+    target, drafter = tiny_target("dense"), tiny_drafter("dense")
+    ps = prompts("dense", 2)
+    gen = BatchGenerator(target, drafter)
+    gen.policy = DraftPolicy("auto")  # a fresh policy measures plain steps first: it says K = 0
+    greedy = Stats()
+    out, _ = run_batch(gen, {0: (ps[0], dict(max_tokens=20, stats=greedy)),
+                             1: (ps[1], dict(max_tokens=20, sampling=HOT, seed=5))})
+    assert out[0] == alone("dense", ps[0], 20)
+    # batch.SEEDED_K drafts in the rounds the rows shared (the drafter is random: the seeded row
+    # accepts few, so they share most of its 20 tokens); counting its own K, 0, it would draft none
+    assert len(greedy.drafted_at) == 3 and greedy.drafted_at[2] >= 10
 
 
 def test_token_ids_and_budgets_are_checked():
