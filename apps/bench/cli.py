@@ -184,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--prose", type=int, default=2, help="prose rows")
     x.add_argument("--code", type=int, default=2, help="code rows")
     x.add_argument("--k", default="3", help="fixed draft lengths to compare (comma list)")
-    x.add_argument("--tokens", type=int, default=64, help="tokens per row")
+    x.add_argument("--tokens", type=int, default=64, help="tokens per code row")
+    x.add_argument("--prose-tokens", type=int, help="tokens per prose row (default: twice --tokens)")
     x.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
     return ap
 

@@ -1,5 +1,7 @@
 """Mixed mode (issue 20 part 2): one batch mixing prose rows (drafts rarely accepted past the
-first) and code rows (drafts mostly accepted), greedy, under each draft-length policy.
+first) and code rows (drafts mostly accepted), greedy, under each draft-length policy. Prose rows
+run longer (`--prose-tokens`, default twice `--tokens`), so the batch ends with hard rows only, as
+a batch does where easy requests finish first.
 
 Modes, each on one BatchGenerator kept over the warm-up and the repeats (as the Engine keeps
 one, so `auto` carries what it measured): plain decoding, fixed K, `auto-wide` (the issue-13
@@ -36,9 +38,9 @@ class DrafterWide(DraftPolicy):
         return super().choose(rows)
 
 
-def run_once(gen: JoinTogether, prompts: dict, n: int) -> dict:
+def run_once(gen: JoinTogether, prompts: dict, budgets: dict) -> dict:
     """All rows at once; per-class statistics; the decode phase timed (after every first token)."""
-    rows = {gen.insert(p, max_tokens=n, stats=Stats()): (cls, p) for cls, ps in prompts.items() for p in ps}
+    rows = {gen.insert(p, max_tokens=budgets[cls], stats=Stats()): (cls, p) for cls, ps in prompts.items() for p in ps}
     out = {u: [] for u in rows}
     stats = {}
     begun = None
@@ -70,9 +72,10 @@ def run_mixed(args, log=print) -> dict:
     loaded = load(target_dir, drafter_dir, dtype=dtype)
     sets = prompt_sets(loaded, target_dir, max(args.prose, args.code))
     prompts = {"prose": sets["prose"][: args.prose], "code": sets["code"][: args.code]}
-    every = [p for ps in prompts.values() for p in ps]
-    truth = {tuple(p): [t for t, _ in generate_tokens(loaded.target, p, max_tokens=args.tokens)] for p in every}
-    states = prefilled(loaded.target, every)
+    budgets = {"prose": args.prose_tokens or 2 * args.tokens, "code": args.tokens}
+    every = [(cls, p) for cls, ps in prompts.items() for p in ps]
+    truth = {tuple(p): [t for t, _ in generate_tokens(loaded.target, p, max_tokens=budgets[cls])] for cls, p in every}
+    states = prefilled(loaded.target, [p for _, p in every])
     modes = {"plain": (None, 0)}
     for k in (int(k) for k in args.k.split(",") if k):
         modes[f"K={k}"] = (loaded.drafter, k)
@@ -85,11 +88,11 @@ def run_mixed(args, log=print) -> dict:
             gens[name].policy = DrafterWide("auto") if name == "auto-wide" else DraftPolicy("auto")
     runs = {name: [] for name in modes}
     mismatches = set()
-    log(f"{len(modes)} modes x (1 warm-up + {args.repeats} repeats), {args.prose} prose + {args.code} code rows, "
-        f"{args.tokens} tokens each")
+    log(f"{len(modes)} modes x (1 warm-up + {args.repeats} repeats), {args.prose} prose rows of {budgets['prose']} "
+        f"tokens + {args.code} code rows of {budgets['code']}")
     for r in range(args.repeats + 1):
         for name, gen in gens.items():
-            run = run_once(gen, prompts, args.tokens)
+            run = run_once(gen, prompts, budgets)
             for (cls, p), tokens in run["outputs"].values():
                 if tokens != truth[tuple(p)]:
                     mismatches.add(f"{name}: a {cls} row differs from plain greedy")
@@ -107,7 +110,7 @@ def run_mixed(args, log=print) -> dict:
     by = {row["mode"]: row for row in rows}
     best_other = max(by["auto-wide"]["vs_plain"], by.get("K=3", {}).get("vs_plain", 0.0))
     return dict(mode="mixed", pair=args.pair, quantization=quantization_label(target_dir, loaded.target),
-                prose=args.prose, code=args.code, tokens=args.tokens, repeats=args.repeats, rows=rows,
+                prose=args.prose, code=args.code, budgets=budgets, repeats=args.repeats, rows=rows,
                 auto_vs_best_other=by["auto"]["vs_plain"] / best_other if best_other else None,
                 mismatches=sorted(mismatches))
 
@@ -124,7 +127,8 @@ def _plain_share(stats) -> float:
 def mixed_md(res: dict) -> str:
     out = [f"## Mixed batch: {res['pair']} ({res['quantization']}), {res['prose']} prose + {res['code']} code rows, "
            f"regime {res['regime']['name']}", "",
-           f"Measured. Greedy, {res['tokens']} tokens per row, decode phase timed (every row's first token "
+           f"Measured. Greedy, {res['budgets']['prose']} tokens per prose row and {res['budgets']['code']} per code "
+           "row (the batch ends with prose rows only), decode phase timed (every row's first token "
            f"excluded), medians of {res['repeats']} interleaved repeats after a warm-up; vs plain = median of "
            "within-repeat ratios of wall time. `auto-wide`: one acceptance estimate per drafter (the issue-13 "
            "policy); `auto`: each row's own, the drafter's as its prior. Acceptance: accepted / drafted drafts "
