@@ -383,12 +383,19 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         full = self.tracks[FULL]
         if needed > full.capacity:
-            self._resize_full(-(-(needed + self.step // 2) // self.step) * self.step)
+            self._resize_full(self._rounded(needed + self.step // 2))
 
     def _shrink(self) -> None:
-        needed = -(-(int(self.top.max(initial=0)) + 1) // self.step) * self.step
+        needed = self._rounded(int(self.top.max(initial=0)) + 1)
         if needed < self.tracks[FULL].capacity:
             self._resize_full(needed)
+
+    def _rounded(self, n: int) -> int:
+        """Full-attention slots for n positions: a multiple of `step`, and of an eighth of n (as a power
+        of two) past 8 steps, so that a long context's buffers take few sizes: every size is a
+        compiled forward of its own."""
+        granule = max(self.step, 1 << max(n.bit_length() - 4, 0))
+        return -(-n // granule) * granule
 
     def _resize_full(self, capacity: int) -> None:
         """Full-attention buffers with `capacity` slots (slot = position, so no data moves)."""

@@ -11,8 +11,9 @@ from typing import Optional
 import mlx.core as mx
 
 from .cache import KVCache
+from .jit import Bounded
 from .models.base import Drafter, DraftOutput, TargetModel
-from .sample import DRAFT, SamplingParams, batch_probs, compiled_per_key, params_key, sample, uniform
+from .sample import DRAFT, SamplingParams, batch_probs, params_key, sample, uniform
 from .speculative import BatchState, Drafts, Plan, Proposer
 
 
@@ -44,7 +45,7 @@ class MTPProposer:
         return Drafts(mx.stack(drafted, axis=1), mx.stack(qs, axis=1) if qs else None)
 
 
-@compiled_per_key
+@Bounded
 def _draw(logits: mx.array, token_ids: Optional[mx.array], seeds: mx.array, position: mx.array, i: int,
           vocab_size: int, key: tuple) -> tuple[mx.array, mx.array]:
     """Draft i of a block at `position`, sampled from q (the same transform as the target's p)."""

@@ -1,9 +1,11 @@
-"""Noticing MLX compile kernels for the first time on this machine.
+"""Compiled MLX functions: bounded in memory, and noticed when their kernels are first built.
 
-On the CPU backend each fused kernel of a compiled graph is C++ built by the system compiler the
-first time it is used (about half a second each), then kept on disk, under the temporary
-directory, for every later run: a fresh machine's first reply can take many seconds. Front ends
-say so instead of looking hung; the library only reports it, through a callback.
+MLX keeps a trace of a compiled function for every set of argument shapes and constants it meets,
+about 2 KB per graph node, for as long as the function lives: `Bounded` drops them all past a
+number of signatures. On the CPU backend each fused kernel of a compiled graph is C++ built by the
+system compiler the first time it is used (about half a second each), then kept on disk, under
+the temporary directory, for every later run: a fresh machine's first reply can take many seconds.
+Front ends say so instead of looking hung; the library only reports it, through a callback.
 """
 
 from __future__ import annotations
@@ -13,11 +15,42 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
 NOTICE = "compiling kernels, first run only"
+
+
+class Bounded:
+    """`mx.compile(fn)`, traced again (all earlier traces freed) once it has met `limit` argument
+    signatures: shapes and dtypes of its arrays, values of its constants (the first `skip`
+    arguments left out: a module's weights, which keep their shapes). For functions whose shapes
+    keep changing over a long run (a KV cache's size, a batch's rows, sampling parameters)."""
+
+    def __init__(self, fn: Callable, limit: int = 48, skip: int = 0):
+        self.fn, self.limit, self.skip = fn, limit, skip
+        self.compiled, self.seen = mx.compile(fn), set()
+
+    def __call__(self, *args):
+        key = signature(args[self.skip :])
+        if key not in self.seen:
+            if len(self.seen) >= self.limit:
+                self.compiled, self.seen = None, set()  # the old traces go with the old function
+                self.compiled = mx.compile(self.fn)
+            self.seen.add(key)
+        return self.compiled(*args)
+
+
+def signature(tree: Any) -> Any:
+    """A hashable summary of a compile argument tree: what MLX keys its traces on."""
+    if isinstance(tree, mx.array):
+        return tree.shape, tree.dtype
+    if isinstance(tree, (tuple, list)):
+        return tuple(signature(t) for t in tree)
+    if isinstance(tree, dict):
+        return tuple((k, signature(v)) for k, v in tree.items())
+    return tree
 
 
 def kernel_dir() -> Path:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -86,22 +86,6 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
 def params_key(params: Sequence[SamplingParams]) -> tuple:
     """Each row's sampling parameters as a compile constant (rebuilt with `SamplingParams(*row)`)."""
     return tuple(dataclasses.astuple(p) for p in params)
-
-
-def compiled_per_key(fn: Callable, limit: int = 64) -> Callable:
-    """`mx.compile` a function whose last argument is a constant key (e.g. `params_key`): traced
-    once per key and shapes. MLX never frees traces, so past `limit` distinct keys (a server
-    seeing ever new parameters) new keys run uncompiled."""
-    fast, keys = mx.compile(fn), set()
-
-    def call(*args):
-        if args[-1] not in keys:
-            if len(keys) >= limit:
-                return fn(*args)
-            keys.add(args[-1])
-        return fast(*args)
-
-    return call
 
 
 def batch_probs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

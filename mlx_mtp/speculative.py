@@ -20,8 +20,9 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .jit import Bounded
 from .models.base import TargetModel, TargetOutput
-from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, compiled_per_key, greedy_accept, params_key,
+from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, greedy_accept, params_key,
                      rejection_accept, uniform)
 
 K_MAX = 6  # the longest draft; one verify forward covers K_MAX + 1 tokens per row
@@ -114,7 +115,7 @@ def _greedy(drafts: mx.array, logits: mx.array, limit: Optional[mx.array]):
     return greedy_accept(drafts, mx.argmax(logits, axis=-1), limit)
 
 
-@compiled_per_key
+@Bounded
 def _sampled(drafts: mx.array, q: Optional[mx.array], logits: mx.array, limit: mx.array, seeds: mx.array,
              base: mx.array, key: tuple):
     p = batch_probs(logits, [SamplingParams(*row) for row in key])

@@ -100,3 +100,24 @@ def test_a_first_compile_is_announced_once(tmp_path):
         pytest.skip("GPU kernels are not built by a system compiler")
     assert run(code, tmp_path).strip() == "compiling kernels, first run only"
     assert run(code, tmp_path).strip() == ""
+
+
+def test_traces_are_bounded():
+    """MLX keeps every trace while a compiled function lives (~2 KB per graph node): past its
+    limit of argument signatures a `Bounded` function starts afresh, and stays right."""
+    from mlx_mtp.jit import Bounded
+
+    calls = []
+
+    def f(x, scale):
+        calls.append(x.shape)  # runs only while tracing
+        return x * scale + 1
+
+    fn = Bounded(f, limit=3)
+    for n in range(1, 8):
+        assert np.array_equal(np.array(fn(mx.ones((n,)), 2.0)), np.full(n, 3.0))
+        assert len(fn.seen) <= 3
+    fn(mx.ones((7,)), 2.0)
+    assert len(calls) == 7  # the last signature was still traced
+    fn(mx.ones((1,)), 2.0)
+    assert len(calls) == 8  # an early one was dropped with the rest

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache, SharedKV, Step
+from ..jit import Bounded
 
 log = logging.getLogger("mlx_mtp")
 
@@ -160,7 +161,8 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used is part of
-    the key. Compiled functions are per module object and per thread (MLX keeps traces per thread).
+    the key. Compiled functions are per module object and per thread (MLX keeps traces per thread),
+    their traces bounded in number (`jit.Bounded`).
     """
 
     @functools.wraps(method)
@@ -192,7 +194,7 @@ def _compile(method: Callable, module: weakref.ref) -> Callable:
     def traced(arrays, fused, *args):  # arrays: the module's dict, as compile's tracers
         return method(_holding(module(), arrays), *args)
 
-    return mx.compile(traced)  # refers to the module weakly: it holds this function
+    return Bounded(traced, skip=1)  # refers to the module weakly: it holds this function
 
 
 def _holding(structure, arrays):
