@@ -210,8 +210,8 @@ class KVCache:
         W = track.window
         slots = positions % C
         n = min(length, C)
-        wraps = first is None or (first + length - n) % C + n > C
-        start = None if wraps else mx.array([(first + length - n) % C], dtype=mx.int32)
+        scatter = first is None or (first + length - n) % C + n > C  # rows apart, or a write across the ring's end
+        start = None if scatter else mx.array([(first + length - n) % C], dtype=mx.int32)
         if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
             old = (0, 0) if end == length else (0, C)  # an empty cache has nothing older
             kpos = mx.concatenate([track.pos[:, old[0] : old[1]], positions], axis=1)

@@ -480,9 +480,10 @@ class Model(nn.Module):
         positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
         step = cache.begin(tokens.shape[1])
-        whole = self.pipeline is None and ROUTER_RECORD is None  # (sends and records are not compiled)
-        forward = self._compiled_forward if step.fixed and whole else self._forward
-        logits, hidden, step.keys[:], step.values[:] = forward(tokens, step, keep)
+        # Pipeline sends and the router record are side effects: they run uncompiled.
+        compilable = step.fixed and self.pipeline is None and ROUTER_RECORD is None
+        logits, hidden, keys, values = (self._compiled_forward if compilable else self._forward)(tokens, step, keep)
+        cache.keys[:], cache.values[:] = keys, values  # (what a compiled forward returns: new buffers)
         if self.model.span[1] < self.config.num_hidden_layers:
             return self._elsewhere(tokens.shape, keep)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
