@@ -3,7 +3,8 @@
 Every turn reuses the KV cache of the conversation so far. Without --model it runs the small demo
 pair bundled in `mlx_mtp.demo`. With --prompt it answers once and exits (for scripts); without a
 terminal it reads one message per line from stdin. With --raw each message is completed as plain
-text (no chat template, no history), which suits code models.
+text (no chat template, no history), which suits code models. With --think the model reasons
+before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to stdout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Iterator, Optional, Union
 import mlx.core as mx
 
 from . import jit, memory, pipeline
+from .chat_format import Delta, OutputParser
 from .cli import prog_name
 from .conversation import Conversation
 from .generate import ContextLengthError, Event, stream_generate
@@ -54,13 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--system", help="system message")
+    ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
+                    help="let the model reason before it answers (the chat template's enable_thinking) and show "
+                         "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
     ap.add_argument("--prompt", help="answer this one message and exit")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
-    if args.raw and args.system is not None:
-        ap.error("--system needs the chat template, which --raw does not use")
+    if args.raw and (args.system is not None or args.think):
+        ap.error("--system and --think need the chat template, which --raw does not use")
     args.prompt, args.system = readable(args.prompt), readable(args.system)
     return args
 
@@ -131,7 +136,7 @@ def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, Union[Con
         return loaded, Completion(loaded), f"{banner}; raw completion, no chat template"
     if not getattr(loaded.tokenizer, "has_chat_template", True):
         raise ValueError(f"{model}'s tokenizer has no chat template; --raw completes plain text")
-    return loaded, Conversation(loaded, system=args.system), banner
+    return loaded, Conversation(loaded, system=args.system, enable_thinking=args.think), banner
 
 
 def decoding(args, drafter) -> str:
@@ -207,10 +212,11 @@ def details(conv: Conversation) -> str:
 
 def answer(conv: Conversation, text: str, options: dict) -> None:
     stream, stats = conv.reply(text, **options), None
+    printer = Printer(conv)
     try:
         with ctrl_c() as stop:
             for event in stream:
-                print(event.text, end="", flush=True)
+                printer.print(event.text)
                 stats = event.stats
                 if stop.is_set():
                     break
@@ -218,9 +224,57 @@ def answer(conv: Conversation, text: str, options: dict) -> None:
         pass
     finally:
         stream.close()
+        printer.finish()
     print(flush=True)
     if stats is not None:
         print(stat_line(stats), file=sys.stderr, flush=True)
+
+
+class Printer:
+    """Prints a reply as it streams: the answer on stdout, the reasoning (when the conversation
+    thinks) on stderr, dimmed on a terminal, and tool calls as `[tool call] NAME {arguments}`.
+    A --raw completion is printed as it is."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, conv):
+        self.parser = OutputParser() if isinstance(conv, Conversation) else None
+        self.thinking = getattr(conv, "enable_thinking", False)
+        self.reasoning = False  # in the middle of printing reasoning
+        self.tty = sys.stderr.isatty()
+
+    def print(self, text: str) -> None:
+        self._show(self.parser.feed(text) if self.parser else [Delta("content", text)])
+
+    def finish(self) -> None:
+        if self.parser is not None:
+            self._show(self.parser.finish())
+        self._end_reasoning()
+
+    def _show(self, parts: list) -> None:
+        for part in parts:
+            if part.kind == "reasoning":
+                if self.thinking:
+                    self._reason(part.text)
+                continue
+            self._end_reasoning()
+            if part.kind == "tool_call":
+                print(f"\n[tool call] {part.call.name} {part.call.arguments_json}", flush=True)
+            else:
+                print(part.text, end="", flush=True)
+
+    def _reason(self, text: str) -> None:
+        if not self.reasoning:
+            text = (self.DIM if self.tty else "thinking: ") + text
+            self.reasoning = True
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def _end_reasoning(self) -> None:
+        if self.reasoning:
+            sys.stderr.write((self.PLAIN if self.tty else "") + "\n")
+            sys.stderr.flush()
+            self.reasoning = False
 
 
 @contextlib.contextmanager

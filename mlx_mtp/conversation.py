@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
+from . import chat_format
 from .batch import BatchGenerator, ContextLengthError
 from .generate import Event, row_events, text_events
 from .prefix_cache import PrefixCache
@@ -41,18 +42,20 @@ class Conversation:
     Args:
         loaded: a `load()`ed model with a tokenizer that has a chat template.
         system: optional system message.
+        enable_thinking: the template's switch for reasoning before the answer.
 
-    `messages` is a plain list of {"role", "content"} dicts: callers may edit it between turns
-    (drop the last exchange, edit a message); the next `reply` reuses whatever stored state
-    still matches.
+    `messages` is a plain list of {"role", "content"} dicts, replies as the model wrote them
+    (the template drops earlier reasoning): callers may edit it between turns (drop the last
+    exchange, edit a message); the next `reply` reuses whatever stored state still matches.
     """
 
-    def __init__(self, loaded, system: Optional[str] = None):
+    def __init__(self, loaded, system: Optional[str] = None, enable_thinking: bool = False):
         if loaded.tokenizer is None:
             raise ValueError("a conversation needs a tokenizer: the model directory has none")
         self.loaded = loaded
         self.system = system
         self.key = f"conversation-{next(_KEYS)}"  # what pins its states in a prefix cache
+        self.enable_thinking = enable_thinking
         self.messages: list[dict] = []
         self.tokens: list[int] = []  # the conversation as the model saw it, replies included
         self.last_stats: Optional[Stats] = None
@@ -72,7 +75,7 @@ class Conversation:
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` followed by the model's generation prompt."""
-        return list(self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking).tokens
 
     def reply(self, text: str, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
         """Add a user message and stream the model's reply.
@@ -131,7 +134,7 @@ class Conversation:
     def begin(self, message: dict, prompt: list, max_tokens: int) -> Turn:
         self._check_idle()
         limit = self.loaded.target.config.max_position_embeddings
-        boundaries = turn_boundaries(prompt, self.loaded.eos_ids)
+        boundaries = chat_format.turn_ends(prompt, self.loaded.eos_ids)
         turn = Turn(message, prompt, boundaries, min(max_tokens, limit - len(prompt)))
         self._busy = True
         return turn
@@ -167,11 +170,3 @@ class Conversation:
         if len(prompt) >= limit:
             raise ContextLengthError(
                 f"the conversation ({len(prompt)} tokens) does not fit the model's context of {limit} tokens")
-
-
-def turn_boundaries(prompt: Sequence[int], end_ids: Sequence[int]) -> list[int]:
-    """Where the turns of a rendered conversation end: after each end-of-turn token (the model's
-    stop tokens, which chat templates close every message with). A later prompt that re-renders
-    the conversation with more turns shares the tokens up to there."""
-    ends = set(end_ids)
-    return [i + 1 for i, t in enumerate(prompt) if t in ends]

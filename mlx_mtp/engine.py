@@ -7,6 +7,9 @@ callers on any thread submit requests and read each request's events from its ow
             if event.kind == "token":
                 print(event.text, end="")
 
+A reply to `messages` (or in a conversation) is parsed as it streams: a token event's `text`
+is the answer's text, its `parts` also say what was reasoning and which tool calls were made.
+
 The worker is an admission loop around one `BatchGenerator`: between rounds it admits queued
 requests (up to `max_batch` rows, first in first out, while their KV cache fits the memory
 limit), cancels what was cancelled, runs one step (a prompt chunk and a speculative round for
@@ -24,12 +27,13 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Callable, ClassVar, Iterator, Optional, Sequence, Union
+from typing import Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
-from . import memory
+from . import chat_format, memory
 from .batch import BatchGenerator
 from .cache import FULL, SLIDING
-from .conversation import Conversation, Turn, turn_boundaries
+from .chat_format import Delta, OutputParser, Reply
+from .conversation import Conversation, Turn
 from .generate import Detokenizer, encode
 from .prefix_cache import PrefixCache, token_bytes
 from .sample import SamplingParams
@@ -54,8 +58,11 @@ class Request:
 
     With `conversation`, `prompt` is the user's next message and the reply joins that
     conversation (its KV cache is reused). Without one, the request is one-shot: `prompt` is
-    raw text or token ids continued as they are, or `messages` are rendered with the chat
-    template.
+    raw text or token ids continued as they are, or `messages` are rendered with the model's
+    chat template, with `tools` (JSON schemas, see `chat_format`), `enable_thinking`,
+    `chat_template_kwargs` (more template variables) and `continue_final_message` (the last,
+    assistant, message is continued rather than answered). Tool calls are parsed only when
+    `tools` are given.
     """
 
     prompt: Union[str, Sequence[int], None] = None
@@ -66,6 +73,10 @@ class Request:
     draft_tokens: Union[int, str] = "auto"
     mtp: bool = True
     seed: Optional[int] = None
+    tools: Optional[Sequence[dict]] = None
+    enable_thinking: bool = False
+    chat_template_kwargs: Optional[Mapping] = None
+    continue_final_message: bool = False
 
     def check(self) -> None:
         if self.conversation is not None:
@@ -73,6 +84,10 @@ class Request:
                 raise ValueError("a conversation request takes the user's message as a str `prompt`")
         elif (self.prompt is None) == (self.messages is None):
             raise ValueError("a one-shot request takes exactly one of `prompt` and `messages`")
+        chat = (self.tools, self.enable_thinking, self.chat_template_kwargs, self.continue_final_message)
+        if self.messages is None and any(chat):
+            raise ValueError("`tools`, `enable_thinking`, `chat_template_kwargs` and `continue_final_message` "
+                             "go with `messages`")
         if isinstance(self.max_tokens, bool) or int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.draft_tokens != "auto":
@@ -81,21 +96,37 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
+    """One generated token. `parts` is what it released, in order (`chat_format.Delta`s:
+    content or reasoning text, whole tool calls); `text` is their content. A raw prompt's
+    output is all content; a chat reply's text that may still turn into a tag is held back."""
+
     text: str
     token: int
     from_draft: bool
+    parts: tuple = ()
     kind: ClassVar[str] = "token"
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind == "reasoning")
+
+    @property
+    def tool_calls(self) -> tuple:
+        return tuple(p.call for p in self.parts if p.kind == "tool_call")
 
 
 @dataclasses.dataclass(frozen=True)
 class DoneEvent:
     """The last event of a request that ran (or was cancelled): "stop", "length" or "cancelled".
-    `tokens` and `text` are everything streamed, which is also what a conversation kept."""
+    `tokens` and the reply (`text`, `reasoning`, `tool_calls`) are everything streamed, which is
+    also what a conversation kept."""
 
     finish_reason: str
     text: str
     tokens: tuple
     stats: Stats
+    reasoning: str = ""
+    tool_calls: tuple = ()
     kind: ClassVar[str] = "done"
 
 
@@ -126,6 +157,9 @@ class RequestHandle:
         self._state = "queued"  # -> "running" -> "finished"
         self._cancel = threading.Event()
         self._seen_last = False
+        self._prepared: Optional[tuple] = None  # a one-shot request's (prompt tokens, turn ends, output parser)
+        self.prompt_tokens: Optional[int] = None  # the prompt's length, once the request started
+        self.cached_tokens: Optional[int] = None  # of which restored from the prefix cache, by its first token
 
     def cancel(self) -> None:
         """Stop the request at the next round boundary; its stream ends with a "cancelled"
@@ -188,11 +222,25 @@ class RequestHandle:
 class _Running:
     handle: RequestHandle
     detok: Detokenizer
+    parser: Optional[OutputParser]  # None: raw text, all content
     conversation: Optional[Conversation] = None
     turn: Optional[Turn] = None
-    text: list = dataclasses.field(default_factory=list)
+    reply: Reply = dataclasses.field(default_factory=Reply)
     tokens: list = dataclasses.field(default_factory=list)
     kv_bytes: int = 0
+
+    def token_event(self, text: str, token: int, from_draft: bool, last: bool) -> TokenEvent:
+        if self.parser is None:
+            parts = [Delta("content", text)] if text else []
+        else:
+            parts = self.parser.feed(text) + (self.parser.finish() if last else [])
+        self.reply.add(parts)
+        self.tokens.append(token)
+        return TokenEvent("".join(p.text for p in parts if p.kind == "content"), token, from_draft, tuple(parts))
+
+    def done(self, finish_reason: str, stats: Stats) -> DoneEvent:
+        r = self.reply
+        return DoneEvent(finish_reason, r.content, tuple(self.tokens), stats, r.reasoning, tuple(r.tool_calls))
 
 
 @dataclasses.dataclass
@@ -258,13 +306,17 @@ class Engine:
     # ---- caller side (any thread) --------------------------------------------------------
 
     def submit(self, request: Request) -> RequestHandle:
-        """Queue a request; its events arrive on the returned handle.
+        """Queue a request; its events arrive on the returned handle. A one-shot request's prompt
+        is rendered and tokenized here, on the caller's thread (an agent's prompt can take a
+        while), not on the worker, where it would hold up every running request.
 
         Raises:
-            ValueError: a malformed request. KeyError: an unknown conversation.
-            QueueFull: `max_queue` requests are already waiting. RuntimeError: the engine is closed.
+            ValueError: a malformed request (or messages the chat template refuses). KeyError: an
+            unknown conversation. QueueFull: `max_queue` requests are already waiting.
+            RuntimeError: the engine is closed.
         """
         request.check()
+        prepared = self._prompt(request) if request.conversation is None else None
         with self._lock:
             self._check_open()
             if request.conversation is not None:
@@ -272,15 +324,16 @@ class Engine:
             if self.max_queue is not None and self._metrics["requests_waiting"] >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
+            handle._prepared = prepared
             self._live.add(handle)
             self._metrics["requests_waiting"] += 1
             self._metrics["requests_total"] += 1
             self._inbox.put(handle)
         return handle
 
-    def new_conversation(self, system: Optional[str] = None) -> int:
-        """Start a conversation (optionally with a system message); returns its id."""
-        conversation = Conversation(self.loaded, system=system)
+    def new_conversation(self, system: Optional[str] = None, enable_thinking: bool = False) -> int:
+        """Start a conversation (optionally with a system message, or thinking); returns its id."""
+        conversation = Conversation(self.loaded, system=system, enable_thinking=enable_thinking)
         with self._lock:
             self._check_open()
             conversation_id = next(self._ids)
@@ -306,6 +359,13 @@ class Engine:
         """A copy of a conversation's messages as of now."""
         with self._lock:
             return [dict(m) for m in list(self._conversation(conversation_id).messages)]
+
+    def count_tokens(self, request: Request) -> int:
+        """The length of a one-shot request's prompt, as it would run."""
+        request.check()
+        if request.conversation is not None:
+            raise ValueError("only a one-shot request's prompt can be counted")
+        return len(self._prompt(request)[0])
 
     def metrics(self) -> dict:
         """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
@@ -366,9 +426,8 @@ class Engine:
                 if self._gen.busy:
                     self._step()
             for uid, run in list(self._running.items()):  # closing: end what still runs
-                done = DoneEvent("cancelled", "".join(run.text), tuple(run.tokens), Stats())
                 self._gen.remove(uid)
-                self._end(uid, run, done)
+                self._end(uid, run, run.done("cancelled", Stats()))
         except BaseException as e:  # a bug in the loop itself: fail every waiting request
             with self._lock:
                 self._closed = True
@@ -428,7 +487,7 @@ class Engine:
         if len(self._running) >= self.max_batch:
             return False
         conversation = self._conversations.get(handle.conversation_id) if handle.conversation_id else None
-        turn = None
+        turn, parser = None, OutputParser(tools=False)
         try:
             if conversation is None and request.conversation is not None:
                 raise KeyError(f"conversation {request.conversation} was closed")
@@ -436,7 +495,7 @@ class Engine:
                 turn = conversation.prepare(request.prompt, request.max_tokens)
                 prompt, boundaries, max_tokens = turn.prompt, turn.boundaries, turn.max_tokens
             else:
-                prompt, boundaries = self._prompt(request)
+                prompt, boundaries, parser = handle._prepared
                 max_tokens = request.max_tokens
             need = self._need(len(prompt) + max_tokens)
             if need > self.memory_limit:
@@ -458,7 +517,8 @@ class Engine:
                 conversation.end(turn, [])
             handle._finish(ErrorEvent(e))
             return True
-        self._running[uid] = _Running(handle, Detokenizer(self.loaded), conversation, turn, kv_bytes=need)
+        self._running[uid] = _Running(handle, Detokenizer(self.loaded), parser, conversation, turn, kv_bytes=need)
+        handle.prompt_tokens = len(turn.prompt) if turn is not None else len(prompt)
         if not handle._start():  # cancelled meanwhile: its row ends at the next step
             self._gen.cancel(uid)
         return True
@@ -471,14 +531,20 @@ class Engine:
             self._gen.trim_prefix_cache(max(self.memory_limit - rows, 0))
         return not self._running or rows + self._prefix.nbytes <= self.memory_limit
 
-    def _prompt(self, request: Request) -> tuple[list[int], list[int]]:
-        """A one-shot request's prompt, and where its turns end (for the prefix cache)."""
+    def _prompt(self, request: Request) -> tuple[list[int], list[int], Optional[OutputParser]]:
+        """The request's prompt tokens, where its turns end (for the prefix cache), and the parser
+        of its output (None for a raw prompt)."""
         if request.messages is None:
-            return encode(self.loaded, request.prompt), []
+            prompt = encode(self.loaded, request.prompt)
+            return prompt, chat_format.turn_ends(prompt, self.loaded.eos_ids), None
         if self.loaded.tokenizer is None:
             raise ValueError("`messages` need a tokenizer: the model directory has none")
-        prompt = list(self.loaded.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True))
-        return prompt, turn_boundaries(prompt, self.loaded.eos_ids)
+        rendered = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
+                                      enable_thinking=request.enable_thinking,
+                                      continue_final_message=request.continue_final_message,
+                                      template_kwargs=request.chat_template_kwargs)
+        boundaries = chat_format.turn_ends(rendered.tokens, self.loaded.eos_ids)
+        return rendered.tokens, boundaries, rendered.parser(tools=bool(request.tools))
 
     def _need(self, tokens: int) -> int:
         return (tokens + MAX_ROLLBACK) * self._token_bytes + self._ring_bytes
@@ -509,13 +575,12 @@ class Engine:
             run = self._running.get(event.uid)
             if run is None:
                 continue
+            if run.handle.cached_tokens is None and event.stats is not None:
+                run.handle.cached_tokens = event.stats.cached_tokens  # known before its first token goes out
             for e in run.detok.events(event):
-                run.handle._events.put(TokenEvent(e.text, e.token, e.from_draft))
-                run.text.append(e.text)
-                run.tokens.append(e.token)
+                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, bool(e.finish_reason)))
             if event.finish_reason:
-                done = DoneEvent(event.finish_reason, "".join(run.text), tuple(run.tokens),
-                                 dataclasses.replace(event.stats))
+                done = run.done(event.finish_reason, dataclasses.replace(event.stats))
                 self._gen.remove(event.uid)
                 self._end(event.uid, run, done)
         self._update_counts()

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from .chat_format import stop_tokens
 from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
@@ -203,7 +204,7 @@ def widen_experts(model: nn.Module) -> None:
 
 class Loaded(NamedTuple):
     """A target, its tokenizer (None if the directory has none), an optional drafter,
-    and the token ids that end a reply."""
+    and the token ids that end a reply (Gemma 4's turn end and tool response included)."""
 
     target: nn.Module
     tokenizer: Any
@@ -243,7 +244,8 @@ def load(
         draft.check_target(target)
         if ngram:
             draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())
-    return Loaded(target, load_tokenizer(path), draft, eos_ids(path, config))
+    tokenizer = load_tokenizer(path)
+    return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer))
 
 
 def load_tokenizer(path: Path):

@@ -3,6 +3,7 @@ with a Gemma 4 style chat template (`<|turn>role\\n...<turn|>\\n`)."""
 
 import json
 import shutil
+from typing import Optional
 from pathlib import Path
 
 TINY = Path(__file__).parent / "fixtures" / "tiny" / "dense"
@@ -48,3 +49,48 @@ def make_chat_model(dest: Path, template: str = CHAT_TEMPLATE) -> Path:
 
 
 DRAFTER = TINY / "drafter"
+
+
+# ---- a tokenizer with Gemma 4's control tokens, at their real ids -------------------------------
+
+GEMMA4_SPECIALS = {
+    "<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
+    "<|tool>": 46, "<tool|>": 47, "<|tool_call>": 48, "<tool_call|>": 49, "<|tool_response>": 50,
+    "<tool_response|>": 51, '<|"|>': 52, "<|think|>": 98, "<|channel>": 100, "<channel|>": 101,
+    "<|turn>": 105, "<turn|>": 106,
+}
+GEMMA4_EOS = [1, 106, 50]  # generation_config.json of the -it checkpoints
+NEWLINE = 107
+
+
+def gemma4_vocab(size: int = 128) -> dict:
+    """Gemma 4's control tokens at their ids, "\\n" at 107, then tab and printable ASCII
+    characters in the free ids; ids left over become unused special tokens."""
+    vocab = {**GEMMA4_SPECIALS, "\n": NEWLINE}
+    free = iter(i for i in range(size) if i not in vocab.values())
+    for c in ["\t"] + [chr(c) for c in range(32, 127)]:
+        vocab[c] = next(free)
+    for i in free:
+        vocab[f"<unused{i}>"] = i
+    return vocab
+
+
+def write_gemma4_tokenizer(path: Path, template: Optional[str] = None) -> None:
+    """A character-level tokenizer with Gemma 4's control tokens (at their real ids), as
+    `tokenizer.json` + `tokenizer_config.json` in `path`; `template` becomes `chat_template.jinja`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = gemma4_vocab()
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    specials = [t for t in vocab if t.startswith("<") and len(t) > 1]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
+    }, indent=1))
+    if template is not None:
+        (path / "chat_template.jinja").write_text(template)

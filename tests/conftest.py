@@ -51,3 +51,12 @@ def fused_too(values, fused):
     the `mx.fast` branch forced."""
     return ([pytest.param(v, None, id=str(v)) for v in values]
             + [pytest.param(v, True, id=f"{v}-fused") for v in fused])
+
+
+@pytest.fixture(scope="session")
+def scripted_server(tmp_path_factory):
+    """The scripted Gemma 4 model (tests/scripted.py) served over HTTP, for both APIs' tests."""
+    from scripted import serve_scripted
+
+    with serve_scripted(tmp_path_factory.mktemp("scripted-server")) as url:
+        yield url

@@ -175,6 +175,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--max-tokens", type=int, default=12, help="tokens per reply")
     a.add_argument("--context", type=int, default=12288, help="--pair mid: its max positions")
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
+    a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
+                                                                  "seeded (comma list)")
+    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
     a.set_defaults(repeats=1)
 
     x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "

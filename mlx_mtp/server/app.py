@@ -1,9 +1,13 @@
-"""The HTTP side: a Starlette app that hands every OpenAI request to the Engine.
+"""The HTTP side: a Starlette app that hands every OpenAI and Anthropic request to the Engine.
 
 No MLX call runs here; the Engine's worker thread owns them all. A handle's events arrive on
 a blocking queue, so each request gets a reader thread that passes them to the event loop
 (`EventStream`). Whatever way a request ends early (a stop string, a client that went away,
 an error), its handle is cancelled, which frees its engine row within one round.
+
+Each API is a wire format of its own (`protocol` for OpenAI, `anthropic`): a parsed job, an
+`answer` and a `stream` of its reply's pieces (`pieces`: content cut at stop strings, reasoning,
+tool calls), and its error shape; the plumbing here is shared.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..chat_format import Delta
 from ..engine import Engine, QueueFull, RequestHandle
 from ..generate import ContextLengthError
-from . import protocol
+from . import anthropic, protocol
+from .common import APIError, Outcome, ServedModel, StopMatcher, invalid
 from .metrics import render as render_metrics
-from .protocol import APIError, Job, ServedModel, invalid
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+MAX_JSON_DEPTH = 64  # deeper bodies are refused before any code walks them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +48,12 @@ class Settings:
 
 
 def create_app(engine: Engine, settings: Settings) -> Starlette:
-    """The OpenAI-compatible app serving `engine` (which the caller starts and closes)."""
+    """The OpenAI- and Anthropic-compatible app serving `engine` (which the caller starts and closes)."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -57,9 +65,9 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
     return app
 
 
-def served_model(loaded, model_id: str, draft_tokens="auto") -> ServedModel:
+def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = False) -> ServedModel:
     config = loaded.target.config
-    return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens)
+    return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens, thinking)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------
@@ -68,13 +76,29 @@ def served_model(loaded, model_id: str, draft_tokens="auto") -> ServedModel:
 async def chat_completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     job = protocol.parse_chat(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job)
+    return await run(request, job, protocol.response, protocol.stream)
 
 
 async def completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     job = protocol.parse_completion(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job)
+    return await run(request, job, protocol.response, protocol.stream)
+
+
+async def messages(request: HTTPRequest) -> Response:
+    settings = _authorized(request)
+    job = anthropic.parse_messages(await read_json(request, settings.max_body_bytes), settings.model)
+    return await run(request, job, anthropic.answer, anthropic.stream)
+
+
+async def count_tokens(request: HTTPRequest) -> Response:
+    settings = _authorized(request)
+    job = anthropic.parse_messages(await read_json(request, settings.max_body_bytes), settings.model, count=True)
+    try:
+        n = await asyncio.to_thread(request.app.state.engine.count_tokens, job.request)
+    except ValueError as e:
+        raise invalid(None, str(e)) from None
+    return JSONResponse({"input_tokens": n})
 
 
 async def list_models(request: HTTPRequest) -> Response:
@@ -107,13 +131,14 @@ def _model_card(settings: Settings) -> dict:
 
 
 def _authorized(request: HTTPRequest) -> Settings:
-    """The settings, once the Bearer key (when the server has one) checks out."""
+    """The settings, once the key (when the server has one) checks out: `Authorization: Bearer`
+    (OpenAI's clients) or `x-api-key` (Anthropic's)."""
     settings = request.app.state.settings
     if settings.api_key is not None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, settings.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return settings
 
@@ -129,21 +154,43 @@ async def read_json(request: HTTPRequest, limit: int):
         if len(body) > limit:
             raise _too_large(limit)
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
         raise invalid(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # deeper than Python's own parser goes
+        raise _too_deep() from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return value
+
+
+def _too_deep() -> APIError:
+    return invalid(None, f"the body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+
+
+def _depth(value) -> int:
+    """How deeply JSON containers nest in `value` (without recursion)."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, d = level.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, d)
+            level.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-async def run(request: HTTPRequest, job: Job) -> Response:
-    """Submit the job and answer it. The first event is awaited before any header is sent, so
-    a request the engine refuses (an over-long prompt, say) gets a real HTTP error."""
+async def run(request: HTTPRequest, job, answer, stream) -> Response:
+    """Submit the job and answer it: `answer(job, parts, outcome)` makes the whole reply,
+    `stream(job, parts, outcome)` its server-sent events. The first event is awaited before any
+    header is sent, so a request the engine refuses (an over-long prompt, say) gets a real HTTP
+    error."""
     engine = request.app.state.engine
-    try:
-        handle = engine.submit(job.request)
+    try:  # off the event loop: submitting renders the prompt
+        handle = await asyncio.to_thread(engine.submit, job.request)
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
@@ -156,14 +203,14 @@ async def run(request: HTTPRequest, job: Job) -> Response:
         first = await events.peek()
         if first.kind == "error":
             raise engine_error(first.error, job)
+        outcome = Outcome(prompt_tokens=handle.prompt_tokens or 0, cached_tokens=handle.cached_tokens or 0)
         if job.stream:
             handed_over = True
-            return StreamingResponse(_sse(job, events, watcher), media_type="text/event-stream",
+            frames = _streamed(stream(job, pieces(job, events, outcome), outcome), events, watcher)
+            return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outcome = Outcome()
-        text = "".join([piece async for piece in deltas(job, events, outcome)])
-        answer = protocol.response(job, text, outcome.finish_reason, outcome.usage, outcome.timings)
-        return JSONResponse(answer)
+        parts = [part async for part in pieces(job, events, outcome)]
+        return JSONResponse(answer(job, parts, outcome))
     finally:
         if not handed_over:
             watcher.cancel()
@@ -220,82 +267,78 @@ class EventStream:
             self.handle.cancel()
 
 
-@dataclasses.dataclass
-class Outcome:
-    """How a request ended, filled in by `deltas`."""
+async def pieces(job, events: EventStream, outcome: Outcome) -> AsyncIterator[Delta]:
+    """The reply piece by piece (`chat_format.Delta`s): content cut at the first stop string,
+    reasoning, and tool calls (only the first one when `job.parallel_tool_calls` is false).
 
-    finish_reason: Optional[str] = None
-    usage: Optional[dict] = None
-    timings: Optional[dict] = None
-
-
-async def deltas(job: Job, events: EventStream, outcome: Outcome) -> AsyncIterator[str]:
-    """The text to send, piece by piece, cut at the first stop string.
-
-    `usage` counts the tokens whose text was read (the one completing a stop string included);
-    `timings` is the engine's account, which after a stop may include the rest of its round.
+    `outcome.completion_tokens` counts the tokens whose text was read (the one completing a
+    stop string included); `outcome.stats` is the engine's account, which after a stop may
+    include the rest of its round.
     """
-    matcher, n_tokens = protocol.StopMatcher(job.stop), 0
+    matcher = StopMatcher(job.stop)
     while True:
         event = await events.next()
         if event.kind == "token":
-            n_tokens += 1
-            text = matcher.feed(event.text)
-            if text:
-                yield text
+            outcome.completion_tokens += 1
+            for part in _cut(event.parts, matcher):
+                if part.kind == "tool_call":
+                    if outcome.tool_calls and not job.parallel_tool_calls:
+                        continue
+                    outcome.tool_calls += 1
+                yield part
             if matcher.hit:
                 events.close()
                 while (event := await events.next()).kind == "token":
                     pass
-                finish = "stop"
+                outcome.finish_reason, outcome.stop_sequence = "stop", matcher.hit
                 break
             continue
         if event.kind == "error":
-            if not (isinstance(event.error, ContextLengthError) and n_tokens):
+            if not (isinstance(event.error, ContextLengthError) and outcome.completion_tokens):
                 raise engine_error(event.error, job)
-            finish = "length"  # the answer reached the end of the model's context
+            outcome.finish_reason = "length"  # the answer reached the end of the model's context
         else:
-            finish = event.finish_reason
+            outcome.finish_reason = event.finish_reason
         if rest := matcher.flush():
-            yield rest
+            yield Delta("content", rest)
         break
-    stats = event.stats if event.kind == "done" else None
-    outcome.finish_reason = finish
-    outcome.usage = protocol.usage(stats, n_tokens)
-    outcome.timings = protocol.timings(stats) if stats else None
+    outcome.stats = event.stats if event.kind == "done" else None
 
 
-async def _sse(job: Job, events: EventStream, watcher: asyncio.Task) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI streams them, ending with `data: [DONE]`."""
+def _cut(parts, matcher: StopMatcher) -> list:
+    """`parts` with their content passed through the stop matcher (a stop string is looked for
+    in the content only; held-back content goes out before a part of another kind)."""
+    out = []
+    for part in parts:
+        if part.kind == "content":
+            text = matcher.feed(part.text)
+            if text:
+                out.append(Delta("content", text))
+            if matcher.hit:
+                break
+            continue
+        if rest := matcher.flush():
+            out.append(Delta("content", rest))
+        out.append(part)
+    return out
+
+
+async def _streamed(frames: AsyncIterator[str], events: EventStream, watcher: asyncio.Task) -> AsyncIterator[str]:
     try:
-        if job.chat:
-            yield _frame(protocol.chunk(job, first=True))
-        outcome = Outcome()
-        try:
-            async for text in deltas(job, events, outcome):
-                yield _frame(protocol.chunk(job, text))
-            yield _frame(protocol.chunk(job, finish_reason=outcome.finish_reason, timings=outcome.timings))
-            if job.include_usage:
-                yield _frame(protocol.usage_chunk(job, outcome.usage))
-        except APIError as e:  # the headers are out: the error travels in the stream
-            yield _frame(e.body())
-        yield "data: [DONE]\n\n"
+        async for frame in frames:
+            yield frame
     finally:
         watcher.cancel()
         events.close()
 
 
-def _frame(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 # ---- errors ------------------------------------------------------------------------------------
 
 
-def engine_error(error: BaseException, job: Job) -> APIError:
+def engine_error(error: BaseException, job) -> APIError:
     """The HTTP face of an error the engine reported for a request."""
     if isinstance(error, ContextLengthError):
-        param = "messages" if job.chat else "prompt"
+        param = "prompt" if job.request.messages is None else "messages"
         return APIError(400, str(error), param=param, code="context_length_exceeded")
     if isinstance(error, ValueError):
         return invalid(None, str(error))
@@ -304,7 +347,9 @@ def engine_error(error: BaseException, job: Job) -> APIError:
 
 
 async def api_error(request: HTTPRequest, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    """The error in the shape of the API that was called."""
+    body = anthropic.error_body(exc) if request.url.path.startswith("/v1/messages") else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 async def http_error(request: HTTPRequest, exc: HTTPException) -> Response:

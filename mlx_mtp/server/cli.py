@@ -14,8 +14,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from ..chat import draft_tokens
     from .app import MAX_BODY_BYTES
 
-    ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI-compatible server for Gemma 4 "
-                                 "with MTP speculative decoding (chat and text completions, SSE streaming).")
+    ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
+                                 "for Gemma 4 with MTP speculative decoding (chat, text completions and messages, "
+                                 "tool calls and thinking, SSE streaming).")
     ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
     ap.add_argument("--drafter", help="MTP drafter dir or hub id (default: none, plain decoding; the demo's "
                     "own drafter for the demo pair)")
@@ -26,9 +27,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
-    ap.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/ endpoints")
+    ap.add_argument("--api-key", help="require the key on /v1/ endpoints (`Authorization: Bearer KEY` or "
+                    "`x-api-key: KEY`)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
                     help="draft length for requests that do not send `draft_tokens`")
+    ap.add_argument("--enable-thinking", action="store_true",
+                    help="let the model reason before answering, for requests that do not say "
+                         "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="larger request bodies get 413")
     cache = ap.add_mutually_exclusive_group()
@@ -66,12 +71,6 @@ def load_model(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import uvicorn
-
-    from .. import jit
-    from ..engine import Engine
-    from .app import Settings, create_app, served_model
-
     if args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host}, reachable from other machines"
               + ("" if args.api_key else "; consider --api-key"), file=sys.stderr)
@@ -80,7 +79,19 @@ def main(argv=None) -> int:
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    settings = Settings(served_model(loaded, model_id, args.draft_tokens), args.api_key, args.max_body_bytes)
+    return serve(loaded, model_id, args)
+
+
+def serve(loaded, model_id: str, args) -> int:
+    """Serve a loaded model as `model_id` until interrupted."""
+    import uvicorn
+
+    from .. import jit
+    from ..engine import Engine
+    from .app import Settings, create_app, served_model
+
+    model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking)
+    settings = Settings(model, args.api_key, args.max_body_bytes)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -1,0 +1,280 @@
+"""The Anthropic Messages wire format (`POST /v1/messages`, `/v1/messages/count_tokens`):
+request bodies in, engine requests and message objects or stream events out.
+
+Plain Python with no MLX and no HTTP. It maps Anthropic's shapes onto `chat_format`'s: `system`
+(a string or text blocks, plus `role: "system"` entries of `messages`, which Claude Code sends),
+content blocks `text` / `tool_use` / `tool_result` / `thinking`, `tools` with `input_schema`,
+`tool_choice`, `thinking`; and the reply back into `thinking`, `text` and `tool_use` blocks.
+Fields it has no use for (`metadata`, `cache_control`, server tools, ...) are ignored, as
+Claude Code sends many. Claude Code's `x-anthropic-billing-header` system line carries a
+`cch=` value that changes every request; it is normalised so the prompt's prefix stays stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from .. import chat_format
+from ..chat_format import Delta
+from ..engine import Request
+from .common import (APIError, Outcome, ServedModel, check_model, checked, constrained, draft_tokens, flag, integer,
+                     invalid, mapping, sampling, strings, unsupported)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 529: "overloaded_error"}
+BILLING = re.compile(r"^(x-anthropic-billing-header:.*?\bcch=)[0-9a-fA-F]+")
+BLOCK_TYPES = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One parsed request: what the engine runs and how the answer is shaped."""
+
+    request: Request
+    stop: tuple
+    stream: bool
+    model: str
+    id: str
+    parallel_tool_calls: bool = True
+
+
+def error_body(error: APIError) -> dict:
+    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": str(error)}}
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
+    """POST /v1/messages (`count`: /v1/messages/count_tokens, which needs no `max_tokens`)."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    check_model(body.get("model"), model)
+    max_tokens = integer(body, "max_tokens", low=1)
+    if max_tokens is None and not count:
+        raise invalid("max_tokens", "`max_tokens` is required")
+    messages = _messages(body)
+    tools, parallel = _tools(body)
+    last = messages[-1]
+    request = Request(
+        messages=messages, tools=tools, enable_thinking=_thinking(body, model.thinking),
+        continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
+        max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, temperature_high=1.0),
+        draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
+    )
+    return Job(request, strings(body, "stop_sequences"), flag(body, "stream", False), model.id,
+               f"msg_{uuid.uuid4().hex[:24]}", parallel)
+
+
+def _messages(body: dict) -> list:
+    """`system` and `messages` as chat messages: tool results become tool messages (named by
+    the calls they answer), thinking becomes `reasoning_content`."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid("messages", "`messages` must be a non-empty list")
+    system = [_text(body["system"], "system", billing=True)] if body.get("system") else []
+    names: dict = {}
+    out: list = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant", "system"):
+            raise invalid(where, f"{where} needs a `role`: user or assistant")
+        if role == "system":
+            system.append(_text(message.get("content"), f"{where}.content", billing=True))
+            continue
+        blocks = _blocks(message.get("content"), f"{where}.content")
+        out.extend(_assistant(blocks, where, names) if role == "assistant" else _user(blocks, where, names))
+    if not out:
+        raise invalid("messages", "`messages` must hold a user or assistant message")
+    return [{"role": "system", "content": "\n\n".join(system)}] * bool(system) + out
+
+
+def _blocks(content: Any, where: str) -> list:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise invalid(where, f"{where} must be a string or a list of content blocks")
+    return content
+
+
+def _user(blocks: list, where: str, names: dict) -> list:
+    """Tool results first (as tool messages), then the user's text."""
+    results, text = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "tool_result":
+            content = _text(block.get("content") or "", f"{where}.content[{j}].content")
+            if block.get("is_error"):
+                content = f"Error: {content}"
+            call_id = block.get("tool_use_id")
+            name = names.get(call_id)
+            results.append({"role": "tool", "tool_call_id": call_id, "content": content,
+                            **({"name": name} if name else {})})
+        else:
+            text.append(_block_text(block, f"{where}.content[{j}]"))
+    return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])
+
+
+def _assistant(blocks: list, where: str, names: dict) -> list:
+    text, thinking, calls = [], [], []
+    for j, block in enumerate(blocks):
+        kind, at = block.get("type"), f"{where}.content[{j}]"
+        if kind == "tool_use":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise invalid(at, f"{at} needs a `name` and an object `input`")
+            names[block.get("id")] = block["name"]
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking") or ""))
+        elif kind != "redacted_thinking":  # encrypted reasoning of another model: nothing to show ours
+            text.append(_block_text(block, at))
+    message: dict = {"role": "assistant", "content": "".join(text)}
+    if "".join(thinking):
+        message["reasoning_content"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _block_text(block: dict, where: str) -> str:
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    if kind in ("image", "document", "search_result"):
+        raise unsupported(where, f"{where}: {kind} blocks are not supported by this server (text only)")
+    raise invalid(where, f"{where}: expected a text block, got type {kind!r}")
+
+
+def _text(content: Any, where: str, billing: bool = False) -> str:
+    """A string, or the text of a list of text blocks (`billing`: normalise Claude Code's header)."""
+    blocks = _blocks(content, where)
+    texts = [_block_text(b, f"{where}[{j}]") for j, b in enumerate(blocks)]
+    if billing:
+        texts = [BILLING.sub(r"\g<1>00000", t) for t in texts]
+    return "\n\n".join(t for t in texts if t) if billing else "".join(texts)
+
+
+def _tools(body: dict) -> tuple[Optional[list], bool]:
+    """(the tools as JSON schemas, parallel calls allowed). Server tools (web search and the
+    like, which have no `input_schema`) are not ours to run: dropped."""
+    choice = mapping(body, "tool_choice")
+    kind = choice.get("type", "auto")
+    if kind in ("any", "tool"):
+        raise constrained("tool_choice", f'"{kind}"')
+    if kind not in ("auto", "none"):
+        raise invalid("tool_choice", '`tool_choice.type` must be "auto", "any", "tool" or "none"')
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise invalid("tools", "`tools` must be a list")
+    schemas = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or "input_schema" not in tool:
+            continue
+        function = {"name": tool.get("name"), "description": tool.get("description") or "",
+                    "parameters": tool["input_schema"]}
+        schemas.append({"type": "function", "function": function})
+    checked("tools", chat_format.check_tools, schemas)
+    parallel = not flag(choice, "disable_parallel_tool_use", False)
+    return (schemas if schemas and kind != "none" else None), parallel
+
+
+def _thinking(body: dict, default: bool) -> bool:
+    thinking = mapping(body, "thinking")
+    kind = thinking.get("type")
+    if kind is None:
+        return default
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise invalid("thinking", '`thinking.type` must be "enabled", "adaptive" or "disabled"')
+    return kind != "disabled"  # a budget_tokens is not enforced: Gemma 4 thinks until it is done
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+
+def stop_reason(outcome: Outcome) -> str:
+    if outcome.stop_sequence is not None:
+        return "stop_sequence"
+    if outcome.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if outcome.tool_calls else "end_turn"
+
+
+def answer(job: Job, parts: list, outcome: Outcome) -> dict:
+    content = [_block(part, whole=True) for part in chat_format.merge(parts)] or [{"type": "text", "text": ""}]
+    return {**_message(job), "content": content, "stop_reason": stop_reason(outcome),
+            "stop_sequence": outcome.stop_sequence, "usage": _usage(outcome)}
+
+
+def _message(job: Job) -> dict:
+    return {"id": job.id, "type": "message", "role": "assistant", "model": job.model}
+
+
+def _usage(outcome: Outcome) -> dict:
+    """Anthropic's usage: `input_tokens` counts the prompt tokens not read from the prefix cache,
+    `cache_read_input_tokens` those that were."""
+    cached = outcome.cached_tokens
+    return {"input_tokens": outcome.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": outcome.completion_tokens}
+
+
+def _block(part: Delta, whole: bool) -> dict:
+    """A content block: complete (`whole`), or empty as a stream's `content_block_start` has it."""
+    if part.kind == "tool_call":
+        call = part.call
+        return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+                "input": call.arguments if whole else {}}
+    if part.kind == "reasoning":
+        return {"type": "thinking", "thinking": part.text if whole else "", "signature": ""}
+    return {"type": "text", "text": part.text if whole else ""}
+
+
+def _delta(part: Delta) -> dict:
+    if part.kind == "tool_call":
+        return {"type": "input_json_delta", "partial_json": part.call.arguments_json}
+    if part.kind == "reasoning":
+        return {"type": "thinking_delta", "thinking": part.text}
+    return {"type": "text_delta", "text": part.text}
+
+
+async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> AsyncIterator[str]:
+    """Server-sent events in Anthropic's sequence: message_start, ping, per block
+    content_block_start / _delta... / _stop, message_delta (stop_reason, usage), message_stop."""
+    start = {**_message(job), "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": _usage(outcome)}
+    yield _event("message_start", message=start)
+    yield _event("ping")
+    index, open_kind = -1, None
+    try:
+        async for part in parts:
+            if part.kind != open_kind or part.kind == "tool_call":
+                if open_kind is not None:
+                    yield _close(index, open_kind)
+                index, open_kind = index + 1, part.kind
+                yield _event("content_block_start", index=index, content_block=_block(part, whole=False))
+            yield _event("content_block_delta", index=index, delta=_delta(part))
+        if open_kind is not None:
+            yield _close(index, open_kind)
+        delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
+        yield _event("message_delta", delta=delta, usage=_usage(outcome))
+        yield _event("message_stop")
+    except APIError as e:  # the headers are out: the error travels in the stream
+        yield f"event: error\ndata: {json.dumps(error_body(e))}\n\n"
+
+
+def _close(index: int, kind: str) -> str:
+    if kind == "reasoning":  # no signature: nothing to verify on a local model
+        return (_event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
+                + _event("content_block_stop", index=index))
+    return _event("content_block_stop", index=index)
+
+
+def _event(kind: str, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"

@@ -1,0 +1,188 @@
+"""What the wire formats share: the error that becomes an HTTP error, the served model, checks of
+request fields, stop strings, and how a request ended. Plain Python, no MLX and no HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from ..sample import SamplingParams
+from ..stats import Stats
+
+MAX_DRAFT_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error answered with an HTTP status, shaped by the API that was called."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        """OpenAI's error object."""
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: Optional[str], message: str, code: Optional[str] = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the parsers need to know about the model behind the server."""
+
+    id: str
+    context: int  # max_position_embeddings: the default (and largest) max_tokens
+    vocab_size: int
+    draft_tokens: object = "auto"  # the server's default for requests that do not say
+    thinking: bool = False  # the server's default for `enable_thinking`
+
+
+def check_model(name: Any, model: ServedModel) -> None:
+    if name is not None and name != model.id:
+        raise APIError(404, f"the model `{name}` does not exist; this server serves `{model.id}`",
+                       param="model", code="model_not_found")
+
+
+def constrained(param: str, choice: str) -> APIError:
+    """`tool_choice` that forces a call (`choice`, as the API names it): refused until there is a grammar."""
+    return unsupported(param, f"tool_choice {choice} needs constrained decoding, which this server does not "
+                              'have yet: let the model choose ("auto") or give it no tools ("none")')
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a request ended: filled in while its reply is read."""
+
+    finish_reason: Optional[str] = None  # the engine's "stop" / "length", or "stop" at a stop string
+    stop_sequence: Optional[str] = None  # the stop string that ended it
+    tool_calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those restored from the prefix cache
+    completion_tokens: int = 0  # the tokens behind what was sent (the one completing a stop string included)
+    stats: Optional[Stats] = None
+
+
+# ---- request fields ------------------------------------------------------------------------------
+
+
+def sampling(body: dict, temperature_high: Optional[float] = None) -> SamplingParams:
+    top_k = integer(body, "top_k", low=-1)
+    try:
+        return SamplingParams(
+            temperature=number(body, "temperature", 1.0, low=0.0, high=temperature_high),
+            top_p=number(body, "top_p", 1.0, low=0.0, high=1.0),
+            top_k=max(top_k or 0, 0),  # -1 (vLLM's "off") and 0 both turn top-k off
+            min_p=number(body, "min_p", 0.0, low=0.0, high=1.0),
+        )
+    except ValueError as e:  # e.g. top_p = 0
+        raise invalid(None, str(e)) from None
+
+
+def draft_tokens(body: dict, default):
+    value = body.get("draft_tokens")
+    if value is None:
+        return default
+    if value == "auto" or (type(value) is int and 0 <= value <= MAX_DRAFT_TOKENS):
+        return value
+    raise invalid("draft_tokens", f"`draft_tokens` must be \"auto\" or an integer in [0, {MAX_DRAFT_TOKENS}]")
+
+
+def strings(body: dict, name: str) -> tuple:
+    """A string or a list of non-empty strings."""
+    value = body.get(name)
+    found = [value] if isinstance(value, str) else value if value is not None else []
+    if not isinstance(found, list) or not all(isinstance(s, str) and s for s in found):
+        raise invalid(name, f"`{name}` must be a non-empty string or a list of them")
+    return tuple(found)
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"`{name}` must be true or false")
+    return value
+
+
+def integer(body: dict, name: str, low: Optional[int] = None) -> Optional[int]:
+    value = body.get(name)
+    if value is not None and type(value) is not int:
+        raise invalid(name, f"`{name}` must be an integer")
+    if value is not None and low is not None and value < low:
+        raise invalid(name, f"`{name}` must be >= {low}, got {value}")
+    return value
+
+
+def number(body: dict, name: str, default: float, low: float, high: Optional[float] = None) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or value < low or (high is not None and value > high):
+        limits = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise invalid(name, f"`{name}` must be a number {limits}, got {value!r}")
+    return float(value)
+
+
+def mapping(body: dict, name: str) -> dict:
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise invalid(name, f"`{name}` must be an object")
+    return value or {}
+
+
+def checked(param: str, check, *args) -> None:
+    """Run a `chat_format` check; its ValueError becomes a 400 naming `param`."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise invalid(param, str(e)) from None
+
+
+# ---- stop strings --------------------------------------------------------------------------------
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string. A tail that could still grow into a stop
+    string is held back, so text past a stop string is never sent, even when the string is
+    split across tokens."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.hit: Optional[str] = None  # the stop string found
+
+    def feed(self, text: str) -> str:
+        """Add streamed text; returns what is safe to send now (`hit` is set at a stop string)."""
+        self.pending += text
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            at, self.hit = min(found)
+            out, self.pending = self.pending[:at], ""
+            return out
+        safe = len(self.pending) - self._partial()
+        out, self.pending = self.pending[:safe], self.pending[safe:]
+        return out
+
+    def flush(self) -> str:
+        """The held-back text, once the stream ended (or paused) without completing a stop string."""
+        out, self.pending = self.pending, ""
+        return out
+
+    def _partial(self) -> int:
+        """Length of the longest tail of `pending` that starts some stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
