@@ -209,7 +209,10 @@ class DraftPolicy:
     drafts is expected to give sum over rows of (1 + sum_{j<K_b} prod_{i<=j} a_bi) tokens (a_bi:
     row b's acceptance of draft i given the ones before it: its own rounds, with the drafter's
     estimate over all rows as the prior, so a hard prompt among easy ones is expected to be hard;
-    K_b: K, or the row's fixed draft length); its cost is measured per (rows, K), and for
+    K_b: K, or the row's fixed draft length). The verify forward is (rows, K + 1) whatever each
+    row counts, so its cost follows K alone while a row's expected tokens only grow with the drafts
+    it counts: each row's estimate weighs in the choice of K, and every auto row then counts all K
+    (a shorter K_b would only lose tokens). Its cost is measured per (rows, K), and for
     a K not measured at this batch size read off a line fitted through the drafted rounds that
     were (through the plain steps too while only one draft length is measured), or, with only
     plain steps measured there, scaled from the nearest batch size that has drafted rounds. The
