@@ -28,7 +28,8 @@ from .lockstep import ALONE, Lockstep
 from .models.base import TargetModel
 from .prefix_cache import PrefixCache
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
-from .speculative import K_MAX, MAX_ROLLBACK, BatchState, Plan, RoundOutput, check_draft_tokens, policy_for, run_round
+from .speculative import (K_MAX, MAX_ROLLBACK, Acceptance, BatchState, Member, Plan, RoundOutput, check_draft_tokens,
+                          policy_for, run_round)
 from .stats import Stats
 from .threads import mark_mlx_thread
 
@@ -71,6 +72,7 @@ class _Row:
     first: Optional[mx.array] = None
     began: float = 0.0
     pinned: list = dataclasses.field(default_factory=list)  # states the row left for its owner
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
 
     @property
     def length(self) -> int:
@@ -273,9 +275,12 @@ class BatchGenerator:
 
     def _launch(self, after_prefill: bool) -> _Inflight:
         rows = self.rows
-        auto = any(r.draft == "auto" for r in rows)
-        k = self.lockstep.draft_tokens(self, lambda: self.policy.choose(len(rows))) if auto else 0
-        plan = Plan(tuple(r.params for r in rows), tuple(self._row_k(r, k) for r in rows))
+        members = [Member(r.acceptance, self._fixed_k(r)) for r in rows]
+        floor = max([m.fixed for m in members if m.fixed is not None], default=0)
+        k = floor
+        if any(m.fixed is None for m in members):
+            k = max(floor, self.lockstep.draft_tokens(self, lambda: self.policy.choose(len(rows), members)))
+        plan = Plan(tuple(r.params for r in rows), tuple(k if m.fixed is None else m.fixed for m in members))
         if self.state.history is not None:  # room for this round's tokens
             needed = int(self.cache.bound.max()) + plan.k + 2
             if needed > self.state.history.shape[1]:
@@ -285,14 +290,18 @@ class BatchGenerator:
         mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset)
         return _Inflight(out, list(rows), plan, after_prefill)
 
-    def _row_k(self, row: _Row, k: int) -> int:
+    def _fixed_k(self, row: _Row) -> Optional[int]:
+        """The drafts that count for `row` whatever the round makes; None: the round's K, which
+        the policy chooses (and rows of a fixed length make longer, if they need)."""
         if row.draft is None:
             return 0
         if row.draft != "auto":
             return row.draft
-        if row.seeded and not row.params.greedy and self.policy.fixed is None:
+        if self.policy.fixed is not None:
+            return self.policy.fixed
+        if row.seeded and not row.params.greedy:
             return SEEDED_K  # a measured-timing K would make the output depend on timing
-        return k
+        return None
 
     def _read(self, inflight: Optional[_Inflight], launched: Optional[_Inflight]) -> list[RowEvent]:
         if inflight is None or all(r.finish_reason for r in inflight.rows):
@@ -307,8 +316,8 @@ class BatchGenerator:
             self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
         self._last_read = now
         plan = inflight.plan
-        full = [n for n, d in zip(accepted, drafted) if d == plan.k]
-        self.policy.observe(len(inflight.rows), plan.k, full, seconds)
+        members = [Member(r.acceptance) for r in inflight.rows]
+        self.policy.observe(len(inflight.rows), plan.k, accepted, seconds, drafted, members)
         events = []
         for row, toks, n, k in zip(inflight.rows, tokens, accepted, drafted):
             if row.finish_reason is None:

@@ -268,7 +268,7 @@ def measure_context(target, context: int, log, chunk: int = 4096) -> dict:
         step = cache.begin(n)
         for i in range(len(cache.layer_types)):
             shape = (1, cfg.layer_kv_heads(i), n, cfg.layer_head_dim(i))
-            cache.update(i, mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype), step)
+            step.store(i, mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype))
         mx.eval(cache.keys, cache.values)
     full = [i for i, t in enumerate(cache.layer_types) if t == FULL]
     per_token = sum(2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * dtype.size for i in full)

@@ -42,6 +42,18 @@ CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row he
 ROW_EXACT_TOKENS = 8
 
 _forced_rows: Optional[float] = None  # set by `dequantizing_from`
+_forward_tokens = 1  # tokens per row of the forward running, for layers that see (B * L, D) rows
+
+
+@contextmanager
+def forward_tokens(n: int) -> Iterator[None]:
+    """A target forward of `n` tokens per row runs inside: its layers see the rows flattened."""
+    global _forward_tokens
+    before, _forward_tokens = _forward_tokens, n
+    try:
+        yield
+    finally:
+        _forward_tokens = before
 
 
 def dequantize_rows() -> float:
@@ -102,13 +114,13 @@ def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
 
 
 def _tokens_per_row(x: mx.array) -> int:
-    return x.shape[-2] if x.ndim > 2 else 1
+    return x.shape[-2] if x.ndim > 2 else _forward_tokens
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
                      bits: int, mode: str, tokens_per_row: Optional[int] = None) -> mx.array:
     """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32). x is (..., L, D), L
-    tokens per row, or (B, D) for one token per row; `tokens_per_row` overrides L (grouped experts)."""
+    tokens per row, or (N, D) rows of the running `forward_tokens`; `tokens_per_row` overrides L."""
     x = x.astype(mx.float32)
     if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
         return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
