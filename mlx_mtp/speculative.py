@@ -5,7 +5,9 @@ accepted counts, next tokens, hidden states and cache lengths stay on the device
 builds and queues round n+1 before it reads round n's tokens. A round whose rows all draft
 nothing is a plain decoding step; rows may count fewer drafts than the round makes (`limits`),
 which is how rows with MTP off, or with a smaller draft length, share one verify forward.
-The cache holds every token of a row but the last one emitted.
+The cache holds every token of a row but the last one emitted. Logits processors (grammars,
+penalties, bias: `Plan.processors`) process the logits at every verified position, and the
+drafts lead with the tokens a grammar forces.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import collections
 import dataclasses
 import threading
 import weakref
-from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +47,7 @@ class Plan:
 
     params: tuple  # SamplingParams of each row
     limits: tuple  # drafts that count for each row (0: a plain step for that row)
+    processors: Optional[Any] = None  # the rows' logits processors (`processors.Processors`), if any
 
     @property
     def k(self) -> int:
@@ -69,6 +72,7 @@ class RoundOutput:
     tokens: mx.array  # (B, K+1) accepted drafts, then the target's token, then -1
     accepted: mx.array  # (B,) drafts accepted
     drafted: mx.array  # (B,) drafts that counted
+    logprobs: Optional[tuple] = None  # of the emitted tokens, when a row asked (`Processors.logprobs`)
 
 
 @runtime_checkable
@@ -80,10 +84,15 @@ class Proposer(Protocol):
     def propose(self, state: BatchState, cache: KVCache, k: int, plan: Plan) -> Drafts: ...
 
 
-def draft(proposer: Proposer, state: BatchState, cache: KVCache, plan: Plan) -> Drafts:
+def draft(proposer: Optional[Proposer], state: BatchState, cache: KVCache, plan: Plan) -> Drafts:
+    B = state.tokens.shape[0]
     if plan.k == 0:
-        return Drafts(mx.zeros((state.tokens.shape[0], 0), dtype=mx.int32))
-    return proposer.propose(state, cache, plan.k, plan)
+        return Drafts(mx.zeros((B, 0), dtype=mx.int32))
+    if proposer is None:  # nothing drafts but a grammar's forced tokens
+        drafts = Drafts(mx.zeros((B, plan.k), dtype=mx.int32), None, mx.zeros((B,), dtype=mx.int32))
+    else:
+        drafts = proposer.propose(state, cache, plan.k, plan)
+    return drafts if plan.processors is None else plan.processors.force(drafts)
 
 
 def verify(target: TargetModel, cache: KVCache, state: BatchState, drafts: Drafts) -> TargetOutput:
@@ -149,14 +158,22 @@ def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache,
     if queue is not None and plan.k:
         queue(drafts.tokens)
     out = verify(target, cache, state, drafts)
+    processors = plan.processors
 
     def decide():
+        nonlocal out
         limit = counted(drafts, plan)
+        if processors is not None:
+            out = out._replace(logits=processors(out.logits, drafts.tokens, state.history, base))
+            limit = processors.counted(limit)
         return (drafts.tokens, *accept(drafts, out, plan, limit, state.seeds, base), limit)
 
     B, k = drafts.tokens.shape
     tokens, n, nxt, limit = share(decide, [(B, k), (B,), (B,), (B,)])
-    return advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, limit, base, state)
+    state, result = advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, limit, base, state)
+    if processors is not None:
+        result.logprobs = processors.logprobs(out.logits, result.tokens)
+    return state, result
 
 
 class DraftPolicy:
