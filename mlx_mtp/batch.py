@@ -435,15 +435,16 @@ class BatchGenerator:
         processors = Processors.build([row.processing], self.target.vocab_size, 0)
         prompt = mx.array([row.prompt], dtype=mx.int32)
 
-        def decide():
+        def decide():  # where the logits are (under pipeline parallelism, the last rank)
             nonlocal logits
+            logits = out.logits[:, -1:]
             if processors is not None:  # at the prompt's last position: no drafts, the prompt as history
                 logits = processors(logits, mx.zeros((1, 0), dtype=mx.int32), prompt, mx.array([last]))
             if row.params.greedy:
                 return (mx.argmax(logits[:, 0], axis=-1).astype(mx.int32),)
             return (sample(probs(logits[:, 0], row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
 
-        logits = out.logits[:, -1:]
+        logits = None
         (first,) = self.lockstep.share(decide, [(1,)])
         if processors is not None:
             row.first_logprobs = processors.logprobs(logits, first[:, None])

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import llguidance
@@ -122,9 +123,11 @@ class Vocabulary:
                                                     n_vocab=n, eos_token=self.eos)
         self.vocab_size = int(vocab_size)
         self.words = (n + 31) // 32  # int32 words of one mask
-        self.eos_mask = np.zeros(self.words, dtype=np.int32)
+        added = hf.get_added_vocab()
+        self.reasoning = REASONING_OPEN in added and REASONING_CLOSE in added  # Gemma 4's channel tokens
+        self.others = np.full(self.words, -1, dtype=np.int32)  # every token but the stop tokens
         for t in self.eos:
-            self.eos_mask.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+            self.others.view(np.uint32)[t // 32] &= ~np.uint32(1 << (t % 32))
 
     def matcher(self, grammar: Grammar) -> "Matcher":
         """A fresh parser state for `grammar`.
@@ -164,30 +167,48 @@ class _Pieces:
         return ids[: ids.index(self.unk)] if self.unk in ids else ids
 
 
+class Clock:
+    """Host time spent in a row's grammar: wall time, and the thread's CPU time (the work itself,
+    without the waits for a core that a CPU shared with the device's threads adds)."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self):
+        self._started = (time.perf_counter(), time.thread_time())
+
+    def __exit__(self, *exc):
+        self.wall += time.perf_counter() - self._started[0]
+        self.cpu += time.thread_time() - self._started[1]
+
+
 class Matcher:
     """One row's grammar state on the host: the tokens emitted so far have been consumed.
-    `seconds` adds up the host time spent in it (the benchmarks read it)."""
+    `clock` adds up the host time spent in it (the benchmarks read it)."""
 
     def __init__(self, vocab: Vocabulary, matcher: "llguidance.LLMatcher"):
         self.vocab, self.m = vocab, matcher
         self.mask = np.empty((1, vocab.words), dtype=np.int32)  # of the current state
         self.dead = False  # no token may follow: the reply ends here ("dead_end")
-        self.seconds = 0.0
+        self.clock = Clock()
         self._refresh()
 
     def forced(self, limit: int) -> list:
         """Up to `limit` tokens the grammar forces next (none once it may end)."""
-        start = time.perf_counter()
-        tokens = [] if self.dead or self.m.is_stopped() else self.m.compute_ff_tokens()[:limit]
-        self.seconds += time.perf_counter() - start
-        return tokens
+        if limit <= 0 or self.dead or self.m.is_stopped():
+            return []
+        with self.clock:
+            return self.m.compute_ff_tokens()[:limit]
 
     def masks(self, drafts: Sequence[int], out: np.ndarray) -> int:
         """Fill `out[j]` (int32 bitmask words) with the mask after `drafts[:j]`, j = 0..len(drafts),
         as far as the drafts are allowed (later positions are never reached: left as they are).
         Returns how many drafts may count: all of them, or fewer where a draft leads to a state
         that admits no token (a dead end must come at the start of a round)."""
-        start = time.perf_counter()
+        with self.clock:
+            return self._masks(drafts, out)
+
+    def _masks(self, drafts: Sequence[int], out: np.ndarray) -> int:
         out[0] = self.mask[0]
         taken, count = 0, len(drafts)
         for j, token in enumerate(drafts):
@@ -200,19 +221,17 @@ class Matcher:
                 count = j  # d_{j+1} must be emitted as a round's last token: the next round ends the row
                 break
         self.m.rollback(taken)
-        self.seconds += time.perf_counter() - start
         return count
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume emitted tokens; `dead` is set when nothing may follow them."""
-        start = time.perf_counter()
-        for token in tokens:
-            if self.dead or self.m.is_stopped():
-                break  # a stop token after the grammar ended: the row ends with it
-            if not self.m.consume_token(int(token)):
-                self.dead = True  # cannot happen for tokens drawn under the masks
-        self._refresh()
-        self.seconds += time.perf_counter() - start
+        with self.clock:
+            for token in tokens:
+                if self.dead or self.m.is_stopped():
+                    break  # a stop token after the grammar ended: the row ends with it
+                if not self.m.consume_token(int(token)):
+                    self.dead = True  # cannot happen for tokens drawn under the masks
+            self._refresh()
 
     def _refresh(self) -> None:
         if not self.dead:
@@ -222,9 +241,11 @@ class Matcher:
     def _is_dead(self, mask: np.ndarray) -> bool:
         """No token allowed, or only the stop tokens (llguidance's answer to an error) where
         the grammar cannot end."""
-        if self.m.is_error() or not mask.any():
+        if self.m.is_error():
             return True
-        return not (mask & ~self.vocab.eos_mask).any() and not (self.m.is_accepting() or self.m.is_stopped())
+        if np.bitwise_and(mask, self.vocab.others).any():  # a token other than a stop token: alive
+            return False
+        return not (mask.any() and (self.m.is_accepting() or self.m.is_stopped()))
 
 
 def _allowed(mask: np.ndarray, token: int) -> bool:
@@ -325,21 +346,25 @@ class ToolCallGrammar:
 
 # ---- one vocabulary per tokenizer -----------------------------------------------------------------
 
-_VOCABULARIES: dict[int, tuple[Any, Vocabulary]] = {}
+_VOCABULARIES: dict[int, Vocabulary] = {}  # id(tokenizer) -> its vocabulary, dropped with the tokenizer
 _LOCK = threading.Lock()
 
 
 def vocabulary(loaded) -> Vocabulary:
-    """The `Vocabulary` of a `load()`ed model's tokenizer, built on first use and kept.
+    """The `Vocabulary` of a `load()`ed model's tokenizer, built on first use and kept as long as
+    the tokenizer lives.
 
     Raises:
         ValueError: the model has no tokenizer.
     """
-    if loaded.tokenizer is None:
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
         raise ValueError("structured output needs a tokenizer: the model directory has none")
     with _LOCK:
-        held = _VOCABULARIES.get(id(loaded.tokenizer))
-        if held is None or held[0] is not loaded.tokenizer:
-            held = (loaded.tokenizer, Vocabulary(loaded.tokenizer, loaded.target.vocab_size, loaded.eos_ids))
-            _VOCABULARIES[id(loaded.tokenizer)] = held
-        return held[1]
+        if id(tokenizer) not in _VOCABULARIES:
+            _VOCABULARIES[id(tokenizer)] = Vocabulary(tokenizer, loaded.target.vocab_size, loaded.eos_ids)
+            try:
+                weakref.finalize(tokenizer, _VOCABULARIES.pop, id(tokenizer), None)
+            except TypeError:  # not weakly referenceable: kept for the process's life
+                pass
+        return _VOCABULARIES[id(tokenizer)]

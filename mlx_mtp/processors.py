@@ -137,6 +137,11 @@ class Processors:
         self._limits = tuple(max(k, f) for k, f in zip(limits, self.nforced))
         return self._limits
 
+    def drafter_steps(self) -> int:
+        """Steps the proposer must draft: up to the longest count of a row that counts more
+        drafts than its grammar forces (none when forced tokens are all there is to draft)."""
+        return max((k for k, f in zip(self._limits, self.nforced) if k > f), default=0)
+
     def forced_at(self, i: int, tokens: mx.array) -> mx.array:
         """(B,) draft i with the forced tokens in place (they feed the drafter's next step)."""
         if self._forced is None or i >= self._forced[0].shape[1]:
@@ -203,15 +208,18 @@ class Processors:
 
     def _allowed(self, drafts: mx.array, k: int) -> mx.array:
         """(B, K+1, V) the grammars' masks (every token allowed for rows without one)."""
-        B = drafts.shape[0]
-        words = self.grammars[0][1].vocab.words
-        bits = np.full((B, k + 1, words), -1, dtype=np.int32)
-        host = drafts.tolist() if k else [[] for _ in range(B)]
-        self._cap = [k] * B
-        for b, grammar in self.grammars:
-            self._cap[b] = grammar.masks(host[b][: self._limits[b]], bits[b])
+        bits = self.masks(drafts.tolist() if k else [[]] * drafts.shape[0], k)
         word, shift = _bit_index(self.vocab_size)
         return ((mx.take(mx.array(bits), word, axis=-1) >> shift) & 1).astype(mx.bool_)
+
+    def masks(self, drafts: list, k: int) -> np.ndarray:
+        """(B, K+1, words) int32 bitmasks of the round's positions, from the drafts read back."""
+        words = self.grammars[0][1].vocab.words
+        bits = np.full((len(drafts), k + 1, words), -1, dtype=np.int32)
+        self._cap = [k] * len(drafts)
+        for b, grammar in self.grammars:
+            self._cap[b] = grammar.masks(drafts[b][: self._limits[b]], bits[b])
+        return bits
 
     def _penalize(self, x: mx.array, drafts: mx.array, seen: mx.array, history: Optional[mx.array],
                   base: mx.array) -> mx.array:

@@ -88,11 +88,23 @@ def draft(proposer: Optional[Proposer], state: BatchState, cache: KVCache, plan:
     B = state.tokens.shape[0]
     if plan.k == 0:
         return Drafts(mx.zeros((B, 0), dtype=mx.int32))
-    if proposer is None:  # nothing drafts but a grammar's forced tokens
+    steps = plan.k if plan.processors is None else plan.processors.drafter_steps()
+    if proposer is None or steps == 0:  # nothing drafts but a grammar's forced tokens
         drafts = Drafts(mx.zeros((B, plan.k), dtype=mx.int32), None, mx.zeros((B,), dtype=mx.int32))
     else:
-        drafts = proposer.propose(state, cache, plan.k, plan)
+        drafts = pad(proposer.propose(state, cache, steps, plan), plan.k)
     return drafts if plan.processors is None else plan.processors.force(drafts)
+
+
+def pad(drafts: Drafts, k: int) -> Drafts:
+    """Drafts made up to k (forced tokens take the positions past what the proposer drafted)."""
+    B, made = drafts.tokens.shape
+    if made == k:
+        return drafts
+    tokens = mx.concatenate([drafts.tokens, mx.zeros((B, k - made), dtype=mx.int32)], axis=1)
+    q = drafts.q if drafts.q is None else mx.pad(drafts.q, [(0, 0), (0, k - made), (0, 0)])
+    limit = mx.full((B,), made, dtype=mx.int32) if drafts.limit is None else mx.minimum(drafts.limit, made)
+    return Drafts(tokens, q, limit)
 
 
 def verify(target: TargetModel, cache: KVCache, state: BatchState, drafts: Drafts) -> TargetOutput:
