@@ -120,6 +120,7 @@ class BatchGenerator:
         self.target = target
         self.proposer = as_proposer(drafter, target)
         self.policy = policy_for(drafter, draft_tokens)
+        self.constrained_policy = policy_for(drafter, draft_tokens, constrained=True)  # rounds with a grammar
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix_cache
         self.limit = target.config.max_position_embeddings
@@ -298,15 +299,16 @@ class BatchGenerator:
         if launched is not None and launched.serial:  # the next round is built from its tokens: read them now
             events += self._read(launched, None)
             self._inflight = None
-        if launched is None:
-            self._last_read = None
+        if launched is None or (self._inflight is None and all(r.finish_reason for r in self.rows)):
+            self._last_read = None  # nothing runs until the next round: the wait is not a round's
         self.lockstep.stepped(self)
         return events
 
     def _launch(self, after_prefill: bool) -> _Inflight:
         rows = self.rows
         auto = any(r.draft == "auto" for r in rows)
-        k = self.lockstep.draft_tokens(self, lambda: self.policy.choose(len(rows))) if auto else 0
+        policy = self._policy(any(r.processing.grammar is not None for r in rows))
+        k = self.lockstep.draft_tokens(self, lambda: policy.choose(len(rows))) if auto else 0
         limits = tuple(self._row_k(r, k) for r in rows)
         processors = Processors.build([r.processing for r in rows], self.target.vocab_size, K_MAX)
         if processors is not None:
@@ -321,6 +323,10 @@ class BatchGenerator:
         mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset,
                       *[a for a in out.logprobs or () if a is not None])
         return _Inflight(out, list(rows), plan, after_prefill)
+
+    def _policy(self, constrained: bool):
+        """The policy of rounds with a grammar row (read serially, led by forced tokens), or of the rest."""
+        return self.constrained_policy if constrained else self.policy
 
     def _row_k(self, row: _Row, k: int) -> int:
         if row.draft is None:
@@ -346,7 +352,7 @@ class BatchGenerator:
         forced = plan.processors.nforced if plan.processors is not None else [0] * len(inflight.rows)
         # Forced drafts are accepted whatever the drafter does: they say nothing of its acceptance.
         full = [n for n, d, f in zip(accepted, drafted, forced) if d == plan.k and not f]
-        self.policy.observe(len(inflight.rows), plan.k, full, seconds)
+        self._policy(inflight.serial).observe(len(inflight.rows), plan.k, full, seconds)
         events = []
         for b, (row, toks, n, k) in enumerate(zip(inflight.rows, tokens, accepted, drafted)):
             if row.finish_reason is None:
@@ -360,8 +366,9 @@ class BatchGenerator:
         """Whether the time since the last read is this round's own: a pipelined round's when
         the round queued after it is alike, a serial round's (read as soon as queued) always;
         neither's when a prompt chunk ran in between."""
-        if self._last_read is None or inflight.after_prefill:
-            return False
+        if self._last_read is None or inflight.after_prefill or (inflight.plan.processors is not None
+                                                                 and any(inflight.plan.processors.nforced)):
+            return False  # (forced drafts make a round that drafted without the drafter's cost)
         if inflight.serial:
             return True
         return (launched is not None and not launched.after_prefill and launched.plan.k == inflight.plan.k

@@ -118,6 +118,7 @@ class Processors:
         self._cap: Optional[list] = None  # drafts each row may count, once its grammar's masks are known
         self._coefficients = None
         self._limits = (0,) * B
+        self._first: Optional[mx.array] = None
 
     @classmethod
     def build(cls, rows: Sequence[RowProcessing], vocab_size: int, max_forced: int) -> Optional["Processors"]:
@@ -169,14 +170,31 @@ class Processors:
 
     def draft_logits(self, logits: mx.array, drafted: Sequence[mx.array], history: Optional[mx.array],
                      base: mx.array) -> Optional[mx.array]:
-        """(B, V) the drafter's logits for draft len(drafted) with bias and penalties applied, as
-        the target's are at that position; None when nothing changes them (no grammar: the
-        drafter runs ahead of the host)."""
-        if not self.counting and not any(r.penalties.logit_bias for r in self.rows):
-            return None
-        before = mx.stack(drafted, axis=1) if drafted else mx.zeros((logits.shape[0], 0), dtype=mx.int32)
-        seen = mx.ones((1, before.shape[1]), dtype=mx.bool_)
-        return self._penalize(logits[:, None].astype(mx.float32), before, seen, history, base)[:, 0]
+        """(B, V) the drafter's logits for draft len(drafted) processed as the target's are at that
+        position: bias and penalties from the history and the drafts before it. A grammar's mask
+        there depends on those drafts, which only the device knows yet: the mask of the round's
+        first position stands in for it (the drafts stay where the text is, inside a string, say;
+        the verify applies the true masks). None when nothing changes them."""
+        x = None
+        if self.counting or any(r.penalties.logit_bias for r in self.rows):
+            before = mx.stack(drafted, axis=1) if drafted else mx.zeros((logits.shape[0], 0), dtype=mx.int32)
+            seen = mx.ones((1, before.shape[1]), dtype=mx.bool_)
+            x = self._penalize(logits[:, None].astype(mx.float32), before, seen, history, base)[:, 0]
+        if self.grammars:
+            x = logits.astype(mx.float32) if x is None else x
+            masked = mx.where(self._first_masks(), x, -mx.inf)
+            x = mx.where(mx.isfinite(masked).any(axis=-1, keepdims=True), masked, x)  # the drafter allows none: as is
+        return x
+
+    def _first_masks(self) -> mx.array:
+        """(B, V) each grammar's mask at the round's first position (all allowed without one)."""
+        if self._first is None:
+            bits = np.full((len(self.rows), self.grammars[0][1].vocab.words), -1, dtype=np.int32)
+            for b, grammar in self.grammars:
+                bits[b] = grammar.mask[0]
+            word, shift = _bit_index(self.vocab_size)
+            self._first = ((mx.take(mx.array(bits), word, axis=-1) >> shift) & 1).astype(mx.bool_)
+        return self._first
 
     # ---- the verify phase --------------------------------------------------------------------
 

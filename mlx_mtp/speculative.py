@@ -333,16 +333,19 @@ class DraftPolicy:
                 self.seen[i] += 1
 
 
-_POLICIES: dict[int, DraftPolicy] = {}  # id(drafter) -> its policy, dropped with the drafter
+_POLICIES: dict[tuple, DraftPolicy] = {}  # (id(drafter), constrained) -> its policy, dropped with the drafter
 
 
-def policy_for(drafter, k: Union[int, str]) -> DraftPolicy:
+def policy_for(drafter, k: Union[int, str], constrained: bool = False) -> DraftPolicy:
     """The draft-length policy of a drafter: "auto" policies persist with the drafter object, so
-    what one generation measured (round costs, acceptance) serves the next. (Keyed by id: an
-    MLX module is a dict, so it cannot be a dictionary key itself.)"""
+    what one generation measured (round costs, acceptance) serves the next. Rounds with a grammar
+    (`constrained`) have a policy of their own: they are read as soon as queued, forced tokens
+    lead their drafts and the drafter's are judged against masked targets, so neither their cost
+    nor their acceptance is an unconstrained round's. (Keyed by id: an MLX module is a dict, so
+    it cannot be a dictionary key itself.)"""
     if drafter is None or k != "auto":
         return DraftPolicy(k if drafter is not None else 0)
-    key = id(drafter)
+    key = (id(drafter), constrained)
     if key not in _POLICIES:
         try:
             weakref.finalize(drafter, _POLICIES.pop, key, None)

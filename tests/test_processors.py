@@ -156,6 +156,18 @@ def test_batched_rows_with_different_processors_equal_plain(vocab):
     assert gen.stats.forced > 0 and gen.stats.accepted < gen.stats.drafted
 
 
+def test_grammar_rounds_teach_a_draft_policy_of_their_own(vocab):
+    """Rounds with a grammar row are read serially and led by forced tokens: their costs and the
+    drafter's acceptance against masked targets are not an unconstrained round's, and back."""
+    gen = BatchGenerator(tiny_target("dense"), tiny_drafter("dense"))  # "auto"
+    assert gen.constrained_policy is not gen.policy
+    prompt = reference("dense")["prompt"].tolist()
+    list(row_events(gen, gen.insert(prompt, max_tokens=N, stop_ids=STOP, grammar=vocab.matcher(CASES["json"][1]))))
+    assert gen.constrained_policy.times and not gen.policy.times
+    list(row_events(gen, gen.insert(prompt, max_tokens=12)))
+    assert gen.policy.times and BatchGenerator(tiny_target("dense"), gen.proposer.drafter).policy is gen.policy
+
+
 def test_a_grammar_that_allows_nothing_ends_the_row(vocab):
     """The tokenizer cannot spell "é": the reply ends where the grammar needs it ("dead_end")."""
     prompt = reference("dense")["prompt"].tolist()
