@@ -60,9 +60,10 @@ def run_agent(args, log) -> dict:
     chosen = args.scenarios.split(",")
     scenarios = {name: run for (key, (name, run)) in zip(("one", "many", "seeded"), scenarios.items())
                  if key in chosen}
-    results = {"on": {}, "off": {}}
+    caches = args.caches.split(",")
+    results = {cache: {} for cache in caches}
     for name, run in scenarios.items():
-        for cache in ("on", "off"):
+        for cache in caches:
             budget = str(int(args.prompt_cache_gb * 2**30)) if cache == "on" else "0"
             url, proc = serve(model, drafter, budget, args, log)
             try:
@@ -71,9 +72,9 @@ def run_agent(args, log) -> dict:
             finally:
                 stop_server(proc)
             log(f"{name}, prefix cache {cache}: done")
-    rows = [summary(name, cache, runs, results["off"][name], len(tokenizer.encode(system)))
-            for cache in ("on", "off") for name, runs in results[cache].items()]
-    mismatches = [f"{r['scenario']}: replies differ with the cache on" for r in rows if not r["same_replies"]]
+    rows = [summary(name, cache, runs, results.get("off", {}).get(name), len(tokenizer.encode(system)))
+            for cache in caches for name, runs in results[cache].items()]
+    mismatches = [f"{r['scenario']}: replies differ with the cache on" for r in rows if r["same_replies"] is False]
     return dict(mode="agent", pair=args.pair, description=description, system_tokens=len(tokenizer.encode(system)),
                 calls=args.calls, reply_tokens=args.max_tokens, context=context, rows=rows, mismatches=mismatches)
 
@@ -119,7 +120,8 @@ def concurrently(url: str, system: str, args, context: int, tokenizer) -> list[l
 def summary(name: str, cache: str, runs: list, reference: list, system_tokens: int) -> dict:
     prefilled = sum(r["prefilled"] for run in runs for r in run)
     new = sum(run[-1]["prompt"] for run in runs)
-    same = all([r["reply"] for r in a] == [r["reply"] for r in b] for a, b in zip(runs, reference))
+    same = None if reference is None else all([r["reply"] for r in a] == [r["reply"] for r in b]
+                                              for a, b in zip(runs, reference))
     firsts, lasts = [run[0]["ttft_ms"] for run in runs], [run[-1]["ttft_ms"] for run in runs]
     return dict(scenario=name, cache=cache, sessions=len(runs), calls=median([len(run) for run in runs]),
                 last_prompt=median([run[-1]["prompt"] for run in runs]), prefilled=prefilled, new=new,
@@ -144,7 +146,7 @@ def agent_md(res: dict) -> str:
     rows = [[r["scenario"], r["cache"], r["sessions"], fmt(r["calls"], ".0f"), fmt(r["last_prompt"], ".0f"),
              r["prefilled"], r["new"], fmt(r["prefilled_over_new"]), fmt(r["ttft_first_ms"], ".0f"),
              fmt(r["ttft_last_ms"], ".0f"), fmt(r["ttft_last_over_first"]), r["system_prefills"],
-             "yes" if r["same_replies"] else "**no**"] for r in res["rows"]]
+             {True: "yes", False: "**no**", None: "-"}[r["same_replies"]]] for r in res["rows"]]
     return "\n".join(out + [table(header, rows), ""])
 
 

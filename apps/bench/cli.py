@@ -177,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
     a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
                                                                   "seeded (comma list)")
+    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
     a.set_defaults(repeats=1)
 
     j = sub.add_parser("structured", help="JSON-schema requests: validity, MTP on/off tok/s, forced tokens per "
