@@ -22,7 +22,6 @@ same requests (their outputs agree in distribution, and token for token when gre
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 
