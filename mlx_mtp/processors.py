@@ -134,8 +134,11 @@ class Processors:
     # ---- the draft phase ---------------------------------------------------------------------
 
     def limits(self, limits: Sequence[int]) -> tuple:
-        """Each row's draft count, raised to the tokens its grammar forces."""
-        self._limits = tuple(max(k, f) for k, f in zip(limits, self.nforced))
+        """Each row's draft count: the tokens its grammar forces where it forces any, else the
+        policy's. The drafter sits out a round led by forced tokens: its drafts after them would
+        cost and be accepted unlike any round the policy measures (forced drafts say nothing of
+        the drafter), so every round the drafter runs in is one the policy can judge."""
+        self._limits = tuple(f if f else k for k, f in zip(limits, self.nforced))
         return self._limits
 
     def drafter_steps(self) -> int:
