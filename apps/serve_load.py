@@ -149,10 +149,10 @@ def measure(url: str, args, mtp: bool) -> dict:
                 first_error=errors[0] if errors else None)
 
 
-def start_server(argv: Sequence[str], port: int, log_path: str) -> subprocess.Popen:
+def start_server(argv: Sequence[str], port: int, log_path: str, env: dict | None = None) -> subprocess.Popen:
     """Start a server command on `port`, its output going to `log_path`; see `wait_healthy`."""
     with open(log_path, "w") as log:
-        return subprocess.Popen([*argv, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*argv, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:

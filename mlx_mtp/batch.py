@@ -32,7 +32,8 @@ from .models.base import TargetModel
 from .prefix_cache import PrefixCache
 from .processors import MAX_LOGPROBS, NONE, Penalties, Processors, RowProcessing, row_logprobs
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
-from .speculative import K_MAX, MAX_ROLLBACK, BatchState, Plan, RoundOutput, check_draft_tokens, policy_for, run_round
+from .speculative import (K_MAX, MAX_ROLLBACK, Acceptance, BatchState, Member, Plan, RoundOutput, check_draft_tokens,
+                          policy_for, run_round)
 from .stats import Stats
 from .threads import mark_mlx_thread
 
@@ -78,6 +79,7 @@ class _Row:
     pinned: list = dataclasses.field(default_factory=list)  # states the row left for its owner
     processing: RowProcessing = RowProcessing()
     first_logprobs: Optional[tuple] = None
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
 
     @property
     def length(self) -> int:
@@ -306,10 +308,13 @@ class BatchGenerator:
 
     def _launch(self, after_prefill: bool) -> _Inflight:
         rows = self.rows
-        auto = any(r.draft == "auto" for r in rows)
-        policy = self._policy(any(r.processing.grammar is not None for r in rows))
-        k = self.lockstep.draft_tokens(self, lambda: policy.choose(len(rows))) if auto else 0
-        limits = tuple(self._row_k(r, k) for r in rows)
+        members = [Member(r.acceptance, self._fixed_k(r)) for r in rows]
+        floor = max([m.fixed for m in members if m.fixed is not None], default=0)
+        k = floor
+        if any(m.fixed is None for m in members):
+            policy = self._policy(any(r.processing.grammar is not None for r in rows))
+            k = max(floor, self.lockstep.draft_tokens(self, lambda: policy.choose(len(rows), members)))
+        limits = tuple(k if m.fixed is None else m.fixed for m in members)
         processors = Processors.build([r.processing for r in rows], self.target.vocab_size, K_MAX)
         if processors is not None:
             limits = processors.limits(limits)  # forced tokens are drafted, whatever the draft length
@@ -328,14 +333,18 @@ class BatchGenerator:
         """The policy of rounds with a grammar row (read serially, led by forced tokens), or of the rest."""
         return self.constrained_policy if constrained else self.policy
 
-    def _row_k(self, row: _Row, k: int) -> int:
+    def _fixed_k(self, row: _Row) -> Optional[int]:
+        """The drafts that count for `row` whatever the round makes; None: the round's K, which
+        the policy chooses (and rows of a fixed length make longer, if they need)."""
         if row.draft is None:
             return 0
         if row.draft != "auto":
             return row.draft
-        if row.seeded and not row.params.greedy and self.policy.fixed is None:
+        if self.policy.fixed is not None:
+            return self.policy.fixed
+        if row.seeded and not row.params.greedy:
             return SEEDED_K  # a measured-timing K would make the output depend on timing
-        return k
+        return None
 
     def _read(self, inflight: Optional[_Inflight], launched: Optional[_Inflight]) -> list[RowEvent]:
         if inflight is None or all(r.finish_reason for r in inflight.rows):
@@ -351,8 +360,9 @@ class BatchGenerator:
         plan = inflight.plan
         forced = plan.processors.nforced if plan.processors is not None else [0] * len(inflight.rows)
         # Forced drafts are accepted whatever the drafter does: they say nothing of its acceptance.
-        full = [n for n, d, f in zip(accepted, drafted, forced) if d == plan.k and not f]
-        self._policy(inflight.serial).observe(len(inflight.rows), plan.k, full, seconds)
+        drafted_by = [0 if f else d for d, f in zip(drafted, forced)]
+        members = [Member(r.acceptance) for r in inflight.rows]
+        self._policy(inflight.serial).observe(len(inflight.rows), plan.k, accepted, seconds, drafted_by, members)
         events = []
         for b, (row, toks, n, k) in enumerate(zip(inflight.rows, tokens, accepted, drafted)):
             if row.finish_reason is None:

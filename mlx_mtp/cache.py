@@ -43,38 +43,71 @@ class SharedKV(NamedTuple):
     positions: mx.array
 
 
+# Forwards of at most this many tokens per row (decoding, verifying drafts) attend over whole
+# buffers, so that their arrays keep their shapes from step to step and compiled forwards are reused.
+FIXED_LENGTH = 8
+
+
+class _Write(NamedTuple):
+    """Where one forward's K/V go in the buffers of one attention type (cache internals)."""
+
+    slots: mx.array  # (B, count) slots receiving this forward's last `count` tokens
+    count: int  # tokens written: all L, or the last C of a chunk longer than a ring of C slots
+    concat: bool  # attend over the old slots plus the new K/V (a chunk longer than the ring allows)
+    view: Optional[tuple]  # (start, stop) of the slots returned to attention; None: all of them
+    capacity: int  # slots of a buffer
+    start: Optional[mx.array] = None  # (1,): every row writes slots start .. start + count - 1
+
+    def store(self, buf: mx.array, values: mx.array, axis: int) -> mx.array:
+        """`buf` with `values` (this forward's last `count` entries along `axis`) in their slots."""
+        if self.start is not None:
+            return mx.slice_update(buf, values, self.start, axes=(axis,))
+        slots = self.slots if axis == 1 else self.slots[:, None, :, None]
+        return mx.put_along_axis(buf, slots, values, axis=axis)
+
+    def visible(self, buf: mx.array) -> mx.array:
+        return buf if self.view is None else buf[:, :, self.view[0] : self.view[1]]
+
+
 class Step(NamedTuple):
-    """What one forward over L new tokens per row needs besides the weights."""
+    """What one forward over L new tokens per row needs besides the weights, with the K/V buffers
+    it reads and writes: arrays and constants only, so that a compiled forward takes it whole."""
 
     positions: mx.array  # (B, L) int32 query positions
     offset: Union[mx.array, int]  # RoPE offset of the first query, (B,) or one int for all rows
     masks: dict  # layer type -> (B, 1, L, T) bool, or None when every returned slot is visible
-    writes: dict  # layer type -> _Write (cache internals)
+    writes: dict  # layer type -> _Write
     scratch: dict  # what a model computes once per forward for all its layers (e.g. RoPE tables)
+    kinds: tuple = ()  # attention type of each cached layer
+    keys: Optional[list] = None  # K buffer of each cached layer (the cache's own list): `store` writes it
+    values: Optional[list] = None
+    fixed: bool = False  # every array keeps its shape from one fixed step to the next (at one batch size)
 
     def last(self, n: int) -> "Step":
         """The same forward restricted to its last `n` queries (layers whose other outputs
         are never used)."""
         L = self.positions.shape[1]
-        offset = self.offset + (L - n)
         masks = {t: None if m is None else m[:, :, L - n :] for t, m in self.masks.items()}
-        return Step(self.positions[:, L - n :], offset, masks, self.writes, {})
+        return self._replace(positions=self.positions[:, L - n :], offset=self.offset + (L - n), masks=masks,
+                             scratch={})
 
-
-@dataclasses.dataclass
-class _Write:
-    slots: mx.array  # (B, count) slots receiving this forward's last `count` tokens
-    count: int  # tokens written: all L, or the last C of a chunk longer than a ring of C slots
-    concat: bool  # attend over the old slots plus the new K/V (a chunk longer than the ring allows)
-    view: slice  # slots returned to attention (with concat: the old slots, none for an empty cache)
-    start: Optional[int] = None  # every row writes slots start .. start + count - 1: a plain slice
-
-    def store(self, buf: mx.array, values: mx.array, axis: int) -> mx.array:
-        """`buf` with `values` (this forward's last `count` entries along `axis`) in their slots."""
-        if self.start is not None:
-            return mx.slice_update(buf, values, mx.array([self.start]), axes=(axis,))
-        slots = self.slots if axis == 1 else self.slots[:, None, :, None]
-        return mx.put_along_axis(buf, slots, values, axis=axis)
+    def store(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write this forward's K/V (B, n_kv, L, D) of cached layer `layer`; return the K/V its
+        queries attend over (matching `masks` for the layer's type)."""
+        write = self.writes[self.kinds[layer]]
+        if self.keys[layer] is None:
+            B, H, _, _ = keys.shape
+            self.keys[layer] = mx.zeros((B, H, write.capacity, keys.shape[3]), dtype=keys.dtype)
+            self.values[layer] = mx.zeros((B, H, write.capacity, values.shape[3]), dtype=values.dtype)
+        old_k, old_v = self.keys[layer], self.values[layer]
+        n = write.count
+        self.keys[layer] = write.store(old_k, keys[:, :, keys.shape[2] - n :], axis=2)
+        self.values[layer] = write.store(old_v, values[:, :, values.shape[2] - n :], axis=2)
+        if write.concat:  # the slots from before this forward, then its own K/V
+            if write.view[1] == 0:
+                return keys, values
+            return mx.concatenate([old_k, keys], axis=2), mx.concatenate([old_v, values], axis=2)
+        return write.visible(self.keys[layer]), write.visible(self.values[layer])
 
 
 @dataclasses.dataclass
@@ -144,68 +177,60 @@ class KVCache:
 
     def begin(self, length: int) -> Step:
         """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
-        positions = self.offset[:, None] + mx.arange(length, dtype=mx.int32)[None]
+        positions = self.offset[:, None] + mx.array(np.arange(length, dtype=np.int32))  # a constant: no graph node
         self._grow(int(self.bound.max(initial=0)) + length)
+        ring = self.tracks[SLIDING]
+        fixed = (length <= min(FIXED_LENGTH, ring.capacity - ring.window + 1)
+                 and all(k is not None for k in self.keys))
         single = self.exact and self.batch_size == 1
-        offset = int(self.bound[0]) if single else self.offset
+        offset = int(self.bound[0]) if single and not fixed else self.offset
         masks, writes = {}, {}
         for name, track in self.tracks.items():
-            writes[name], masks[name] = self._write_positions(track, positions, length, single)
+            writes[name], masks[name] = self._write_positions(track, positions, length, single, fixed)
         self.offset = self.offset + length
         self.bound = self.bound + length
         self.top = np.maximum(self.top, self.bound)
-        return Step(positions, offset, masks, writes, {})
+        return Step(positions, offset, masks, writes, {}, tuple(self.layer_types), self.keys, self.values, fixed)
 
-    def _write_positions(self, track: _Track, positions: mx.array, length: int, single: bool):
-        """Store the new positions in the track; return the write plan and the mask."""
+    def _write_positions(self, track: _Track, positions: mx.array, length: int, single: bool, fixed: bool):
+        """Store the new positions in the track; return the write plan and the mask. A fixed
+        step attends over the whole buffer, masked, so that its shapes stay the same."""
         end = int(self.bound.max(initial=0)) + length
         # Rows of one known length write the same slots: a slice update instead of a scatter.
         aligned = self.exact and (self.bound == self.bound[0]).all()
         first = int(self.bound[0]) if aligned else None
+        C = track.capacity
         if not track.ring:
-            write = _Write(positions, length, False, slice(0, end), first)
+            start = None if first is None else mx.array([first], dtype=mx.int32)
+            write = _Write(positions, length, False, None if fixed else (0, end), C, start)
             track.pos = write.store(track.pos, positions, axis=1)
-            unmasked = single and length == 1
-            return write, None if unmasked else _visible(track.pos[:, :end], positions, None)
-        C, W = track.capacity, track.window
+            if fixed:
+                return write, _visible(track.pos, positions, None)
+            return write, None if single and length == 1 else _visible(track.pos[:, :end], positions, None)
+        W = track.window
         slots = positions % C
         n = min(length, C)
-        start = None if first is None or (first + length - n) % C + n > C else (first + length - n) % C
+        scatter = first is None or (first + length - n) % C + n > C  # rows apart, or a write across the ring's end
+        start = None if scatter else mx.array([(first + length - n) % C], dtype=mx.int32)
         if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
-            old = slice(0, 0) if end == length else slice(0, C)  # an empty cache has nothing older
-            kpos = mx.concatenate([track.pos[:, old], positions], axis=1)
-            write = _Write(slots[:, length - n :], n, True, old, start)
+            old = (0, 0) if end == length else (0, C)  # an empty cache has nothing older
+            kpos = mx.concatenate([track.pos[:, old[0] : old[1]], positions], axis=1)
+            write = _Write(slots[:, length - n :], n, True, old, C, start)
             track.pos = write.store(track.pos, positions[:, length - n :], axis=1)
             return write, _visible(kpos, positions, W)
-        if single and length == 1 and end <= C:  # not wrapped yet: the window is a plain slice
-            write = _Write(slots, length, False, slice(max(0, end - W), end), start)
+        if single and length == 1 and end <= C and not fixed:  # not wrapped yet: the window is a plain slice
+            write = _Write(slots, length, False, (max(0, end - W), end), C, start)
             track.pos = write.store(track.pos, positions, axis=1)
             return write, None
-        write = _Write(slots, length, False, slice(0, C), start)
+        write = _Write(slots, length, False, None, C, start)
         track.pos = write.store(track.pos, positions, axis=1)
         return write, _visible(track.pos, positions, W)
 
-    def update(self, layer: int, keys: mx.array, values: mx.array, step: Step) -> tuple[mx.array, mx.array]:
-        """Store this forward's K/V for `layer`; return the K/V its queries attend over
-        (matching `step.masks` for the layer's type)."""
-        write = step.writes[self.layer_types[layer]]
-        capacity = self.tracks[self.layer_types[layer]].capacity
-        buf_k, buf_v = self._buffers(layer, keys, values, capacity)
-        n = write.count
-        new_k, new_v = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
-        self.keys[layer] = write.store(buf_k, new_k, axis=2)
-        self.values[layer] = write.store(buf_v, new_v, axis=2)
-        if write.concat:  # the slots from before this forward, then its own K/V
-            if write.view.stop == 0:
-                return keys, values
-            return mx.concatenate([buf_k, keys], axis=2), mx.concatenate([buf_v, values], axis=2)
-        return self.keys[layer][:, :, write.view], self.values[layer][:, :, write.view]
-
     def shared_kv(self, layer: int) -> SharedKV:
-        """View of `layer`'s K/V and slot positions (what the drafter reads)."""
+        """`layer`'s K/V buffers and slot positions (what the drafter reads): whole, empty slots
+        included (position -1), so that their shapes change only when a buffer grows."""
         track = self.tracks[self.layer_types[layer]]
-        end = track.capacity if track.ring else int(self.bound.max(initial=0))
-        return SharedKV(self.keys[layer][:, :, :end], self.values[layer][:, :, :end], track.pos[:, :end])
+        return SharedKV(self.keys[layer], self.values[layer], track.pos)
 
     # ---- rollback -------------------------------------------------------------------
 
@@ -283,7 +308,7 @@ class KVCache:
             self.keys[i], self.values[i] = _fit(k, capacity, 0, axis=2), _fit(v, capacity, 0, axis=2)
         ring = self.tracks[SLIDING]
         positions = mx.arange(max(length - self.window - 1, 0), length, dtype=mx.int32)[None]
-        write = _Write(positions % ring.capacity, positions.shape[1], False, slice(0, ring.capacity))
+        write = _Write(positions % ring.capacity, positions.shape[1], False, None, ring.capacity)
         ring.pos = write.store(_empty(1, ring.capacity), positions, axis=1)
         for i, (k, v) in sliding.items():
             if k.shape[2] != positions.shape[1]:
@@ -358,12 +383,19 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         full = self.tracks[FULL]
         if needed > full.capacity:
-            self._resize_full(-(-(needed + self.step // 2) // self.step) * self.step)
+            self._resize_full(self._rounded(needed + self.step // 2))
 
     def _shrink(self) -> None:
-        needed = -(-(int(self.top.max(initial=0)) + 1) // self.step) * self.step
+        needed = self._rounded(int(self.top.max(initial=0)) + 1)
         if needed < self.tracks[FULL].capacity:
             self._resize_full(needed)
+
+    def _rounded(self, n: int) -> int:
+        """Full-attention slots for n positions: a multiple of `step`, and of an eighth of n (as a power
+        of two) past 8 steps, so that a long context's buffers take few sizes: every size is a
+        compiled forward of its own."""
+        granule = max(self.step, 1 << max(n.bit_length() - 4, 0))
+        return -(-n // granule) * granule
 
     def _resize_full(self, capacity: int) -> None:
         """Full-attention buffers with `capacity` slots (slot = position, so no data moves)."""
@@ -377,13 +409,6 @@ class KVCache:
                 self.values[i] = _fit(self.values[i], capacity, 0, axis=2)
         full.capacity = capacity
 
-    def _buffers(self, layer: int, keys: mx.array, values: mx.array, capacity: int):
-        if self.keys[layer] is None:
-            B, H, _, _ = keys.shape
-            self.keys[layer] = mx.zeros((B, H, capacity, keys.shape[3]), dtype=keys.dtype)
-            self.values[layer] = mx.zeros((B, H, capacity, values.shape[3]), dtype=values.dtype)
-        return self.keys[layer], self.values[layer]
-
 
 def _empty(batch_size: int, width: int) -> mx.array:
     return mx.full((batch_size, width), -1, dtype=mx.int32)
@@ -396,6 +421,7 @@ def _rows_or_zeros(buf: Optional[mx.array], rows: int, like: mx.array) -> mx.arr
     return buf.astype(like.dtype)
 
 
+@mx.compile  # one kernel for the comparisons, per step and attention type
 def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int]) -> mx.array:
     """(B, 1, L, T): key slot at kpos is visible to the query at qpos."""
     k, q = kpos[:, None, :], qpos[:, :, None]

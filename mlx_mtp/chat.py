@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
-from . import memory, pipeline
+from . import jit, memory, pipeline
 from .chat_format import Delta, OutputParser
 from .cli import prog_name
 from .conversation import Conversation
@@ -354,6 +354,7 @@ def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int
                    mtp=not args.no_mtp, seed=args.seed)
     print(banner, file=sys.stderr)
     print(memory.plan(conv.loaded.target, conv.loaded.drafter).describe(), file=sys.stderr)
+    jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
     if args.prompt is not None:
         try:
             answer(conv, args.prompt, options)

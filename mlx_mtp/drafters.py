@@ -11,8 +11,9 @@ from typing import Optional
 import mlx.core as mx
 
 from .cache import KVCache
-from .models.base import Drafter, TargetModel
-from .sample import DRAFT, batch_probs, sample, uniform
+from .jit import Bounded
+from .models.base import Drafter, DraftOutput, TargetModel
+from .sample import DRAFT, SamplingParams, batch_probs, params_key, sample, uniform
 from .speculative import BatchState, Drafts, Plan, Proposer
 
 
@@ -32,6 +33,7 @@ class MTPProposer:
         tokens, hidden = state.tokens, state.hidden
         drafted, qs = [], []
         processors = plan.processors  # bias and penalties apply to drafts as to the target; forced tokens lead
+        key = None if plan.greedy else params_key(plan.params)
         for i in range(k):
             out = self.drafter.draft_step(self.target.embed(tokens[:, None])[:, 0], hidden, shared, position, step)
             logits = None
@@ -41,14 +43,25 @@ class MTPProposer:
             if plan.greedy:
                 tokens = (out.argmax() if logits is None else mx.argmax(logits, axis=-1)).astype(mx.int32)
             else:
-                q = batch_probs(out.full_logits(self.target.vocab_size) if logits is None else logits, plan.params)
-                tokens = sample(q, uniform(state.seeds, position + 1 + i, DRAFT))
+                if logits is None:
+                    tokens, q = _draw(out.logits, out.token_ids, state.seeds, position, i, self.target.vocab_size, key)
+                else:  # processed: sampled from q as `_draw` does
+                    q = batch_probs(logits, plan.params)
+                    tokens = sample(q, uniform(state.seeds, position + 1 + i, DRAFT))
                 qs.append(q)
             if processors is not None:
                 tokens = processors.forced_at(i, tokens)
             drafted.append(tokens)
             hidden = out.hidden
         return Drafts(mx.stack(drafted, axis=1), mx.stack(qs, axis=1) if qs else None)
+
+
+@Bounded
+def _draw(logits: mx.array, token_ids: Optional[mx.array], seeds: mx.array, position: mx.array, i: int,
+          vocab_size: int, key: tuple) -> tuple[mx.array, mx.array]:
+    """Draft i of a block at `position`, sampled from q (the same transform as the target's p)."""
+    q = batch_probs(DraftOutput(logits, None, token_ids).full_logits(vocab_size), [SamplingParams(*r) for r in key])
+    return sample(q, uniform(seeds, position + 1 + i, DRAFT)), q
 
 
 class NgramDrafter:

@@ -12,6 +12,7 @@ random state has to travel between rounds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -80,6 +81,11 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.min_p > 0.0:
         x = apply_min_p(x, params.min_p)
     return mx.softmax(x, axis=-1, precise=True)
+
+
+def params_key(params: Sequence[SamplingParams]) -> tuple:
+    """Each row's sampling parameters as a compile constant (rebuilt with `SamplingParams(*row)`)."""
+    return tuple(dataclasses.astuple(p) for p in params)
 
 
 def batch_probs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

@@ -16,14 +16,16 @@ import collections
 import dataclasses
 import threading
 import weakref
-from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .jit import Bounded
 from .models.base import TargetModel, TargetOutput
-from .sample import ACCEPT, RESAMPLE, batch_probs, greedy_accept, rejection_accept, uniform
+from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, greedy_accept, params_key,
+                     rejection_accept, uniform)
 
 K_MAX = 6  # the longest draft; one verify forward covers K_MAX + 1 tokens per row
 # Rollback a cache must allow: a round's rejected drafts are undone on the device, and when a
@@ -121,16 +123,28 @@ def counted(drafts: Drafts, plan: Plan) -> mx.array:
 
 def accept(drafts: Drafts, out: TargetOutput, plan: Plan, limit: mx.array, seeds: mx.array, base: mx.array):
     """(accepted drafts, next token) per row: greedy prefix match, or exact rejection sampling
-    against the drafter's q. `base` (B,) is the position of each row's last token."""
-    k = drafts.tokens.shape[1]
+    against the drafter's q. `base` (B,) is the position of each row's last token. A compiled
+    function of the target's logits (B, K+1, V), so that what changes logits before the
+    decision can come in between."""
     if plan.greedy:
-        return greedy_accept(drafts.tokens, mx.argmax(out.logits, axis=-1), limit if k else None)
-    p = batch_probs(out.logits, plan.params)
-    q = drafts.q  # None: a deterministic proposal, q one-hot on it
-    if q is None:
-        q = (mx.arange(p.shape[-1])[None, None] == drafts.tokens[..., None]).astype(mx.float32)
+        return _greedy(drafts.tokens, out.logits, limit if drafts.tokens.shape[1] else None)
+    return _sampled(drafts.tokens, drafts.q, out.logits, limit, seeds, base, params_key(plan.params))
+
+
+@mx.compile
+def _greedy(drafts: mx.array, logits: mx.array, limit: Optional[mx.array]):
+    return greedy_accept(drafts, mx.argmax(logits, axis=-1), limit)
+
+
+@Bounded
+def _sampled(drafts: mx.array, q: Optional[mx.array], logits: mx.array, limit: mx.array, seeds: mx.array,
+             base: mx.array, key: tuple):
+    p = batch_probs(logits, [SamplingParams(*row) for row in key])
+    if q is None:  # a deterministic proposal: q is one-hot on it
+        q = (mx.arange(p.shape[-1])[None, None] == drafts[..., None]).astype(mx.float32)
+    k = drafts.shape[1]
     positions = base[:, None] + 1 + mx.arange(k + 1, dtype=mx.int32)[None]  # of d_1 .. d_K, bonus
-    return rejection_accept(drafts.tokens, q, p, uniform(seeds, positions[:, :k], ACCEPT),
+    return rejection_accept(drafts, q, p, uniform(seeds, positions[:, :k], ACCEPT),
                             uniform(seeds, positions, RESAMPLE), limit)
 
 
@@ -188,12 +202,46 @@ def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache,
     return state, result
 
 
+class Acceptance:
+    """Drafts accepted per draft position: a drafter's, over every row it drafted for, or one
+    row's (one request's text: prose and code are drafted for very differently)."""
+
+    FORGET = 200  # past this many rounds a position's old rounds fade: acceptance drifts with the text
+
+    def __init__(self):
+        self.hits, self.seen = np.zeros(K_MAX), np.zeros(K_MAX)
+
+    def observe(self, k: int, n: int) -> None:
+        """A round in which `k` drafts counted and the first `n` were accepted."""
+        for i in range(min(n + 1, k)):  # position i was tried only if the ones before it were accepted
+            if self.seen[i] >= self.FORGET:
+                self.hits[i], self.seen[i] = self.hits[i] * 0.99, self.seen[i] * 0.99
+            self.hits[i] += i < n
+            self.seen[i] += 1
+
+    def estimate(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        """P(draft i accepted | the ones before were), `prior` counting as `weight` rounds."""
+        return (self.hits + weight * prior) / (self.seen + weight)
+
+
+class Member(NamedTuple):
+    """One row of a round, as the policy sees it."""
+
+    acceptance: Acceptance  # the row's own
+    fixed: Optional[int] = None  # drafts that count for it whatever the round makes (0: MTP off); None: all
+
+
 class DraftPolicy:
     """How many tokens to draft next round: the one policy for every batch size.
 
     Fixed, or "auto": the K in 0..k_max with the most expected tokens per second. A round with K
-    drafts is expected to give rows * (1 + sum_j prod_{i<=j} a_i) tokens (a_i: the measured
-    acceptance of draft i given the ones before it); its cost is measured per (rows, K), and for
+    drafts is expected to give sum over rows of (1 + sum_{j<K_b} prod_{i<=j} a_bi) tokens (a_bi:
+    row b's acceptance of draft i given the ones before it: its own rounds, with the drafter's
+    estimate over all rows as the prior, so a hard prompt among easy ones is expected to be hard;
+    K_b: K, or the row's fixed draft length). The verify forward is (rows, K + 1) whatever each
+    row counts, so its cost follows K alone while a row's expected tokens only grow with the drafts
+    it counts: each row's estimate weighs in the choice of K, and every auto row then counts all K
+    (a shorter K_b would only lose tokens). Its cost is measured per (rows, K), and for
     a K not measured at this batch size read off a line fitted through the drafted rounds that
     were (through the plain steps too while only one draft length is measured), or, with only
     plain steps measured there, scaled from the nearest batch size that has drafted rounds. The
@@ -211,18 +259,19 @@ class DraftPolicy:
     MAX_PAUSE = 512  # rounds between probes while plain steps keep winning
     REDECIDE = 8  # rounds a decision stands before the estimates are read again
     PRIOR = 4.0  # weight, in rounds, of a draft position's prior acceptance
+    ROW_PRIOR = 8.0  # weight, in rounds, of the drafter's estimate in a row's
 
     def __init__(self, k: Union[int, str] = "auto", k_max: int = K_MAX, probe_every: int = 16):
         self.fixed = None if k == "auto" else check_draft_tokens(k)
         self.k_max = k_max if self.fixed is None else self.fixed
-        self.hits, self.seen = np.zeros(K_MAX), np.zeros(K_MAX)  # recent rounds, per draft position
+        self.wide = Acceptance()  # every row's rounds
         self.times: dict[tuple[int, int], collections.deque] = {}  # (rows, K) -> recent seconds
         self.probe_every = probe_every
         self.waited: dict[int, int] = {}  # rows -> rounds since the last probe
         self.pause: dict[int, int] = {}  # rows -> rounds between probes
         self.probing: list[int] = []  # the draft lengths of a probe still to run
         self.up = False  # probes alternate between the best K's neighbours
-        self.decided: dict[int, tuple[int, int]] = {}  # rows -> (best K, rounds it has stood)
+        self.decided: dict[int, tuple[int, int, tuple]] = {}  # rows -> (best K, rounds it has stood, members)
         self.lock = threading.Lock()  # one drafter's policy may serve generators on several threads
 
     @property
@@ -234,7 +283,7 @@ class DraftPolicy:
         out, before = np.empty(K_MAX), 0.5
         for i in range(K_MAX):
             prior = (0.5 + before) / 2
-            out[i] = before = (self.hits[i] + self.PRIOR * prior) / (self.seen[i] + self.PRIOR)
+            out[i] = before = (self.wide.hits[i] + self.PRIOR * prior) / (self.wide.seen[i] + self.PRIOR)
         return out
 
     @property
@@ -242,13 +291,16 @@ class DraftPolicy:
         """(rows, K) -> measured seconds per round."""
         return {key: float(np.median(t)) for key, t in self.times.items()}
 
-    def choose(self, rows: int) -> int:
+    def choose(self, rows: int, members: Sequence[Member] = ()) -> int:
+        """The round's K for `rows` rows (`members`: each row's acceptance and fixed draft length;
+        none given: rows drafting K, at the drafter's acceptance). Rows with a fixed length make
+        the round at least that long, whatever this returns."""
         if self.fixed is not None:
             return self.fixed
         with self.lock:
-            return self._choose(rows)
+            return self._choose(rows, tuple(members))
 
-    def _choose(self, rows: int) -> int:
+    def _choose(self, rows: int, members: tuple) -> int:
         start = min(self.K_START, self.k_max)
         # Measure plain steps and one draft length first; a new batch size whose drafted rounds
         # can be estimated from another batch size measures only its plain steps.
@@ -258,7 +310,7 @@ class DraftPolicy:
             return start
         if self.probing:
             return self.probing.pop()
-        best = self._best(rows)
+        best = self._best(rows, members)
         self.waited[rows] = self.waited.get(rows, 0) + 1
         pause = self.pause.get(rows, self.probe_every)
         if self.waited[rows] < pause:
@@ -273,20 +325,28 @@ class DraftPolicy:
         self.probing = [neighbour] * (self.PROBE - 1)
         return neighbour
 
-    def _best(self, rows: int) -> int:
-        """The best K at `rows`, recomputed every REDECIDE rounds: the estimate costs host time
-        that a small model's round cannot hide."""
-        best, age = self.decided.get(rows, (0, self.REDECIDE))
-        if age >= self.REDECIDE:
+    def _best(self, rows: int, members: tuple = ()) -> int:
+        """The best K at `rows`, recomputed every REDECIDE rounds (the estimate costs host time
+        that a small model's round cannot hide) or when the rows change."""
+        best, age, known = self.decided.get(rows, (0, self.REDECIDE, ()))
+        if age >= self.REDECIDE or known != members:
             cost, age = self.cost, 0
-            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost), default=0)
-            if self.rate(rows, best, cost) < self.MARGIN * self.rate(rows, 0, cost):
+            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost, members), default=0)
+            if self.rate(rows, best, cost, members) < self.MARGIN * self.rate(rows, 0, cost, members):
                 best = 0
-        self.decided[rows] = (best, age + 1)
+        self.decided[rows] = (best, age + 1, members)
         return best
 
-    def rate(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
-        tokens = rows * (1 + np.cumprod(self.accept[:k]).sum())
+    def rate(self, rows: int, k: int, cost: Optional[dict] = None, members: Sequence[Member] = ()) -> float:
+        """Expected tokens per second of a round of K drafts (at least the rows' fixed lengths)."""
+        wide = self.accept
+        if not members:
+            return rows * (1 + np.cumprod(wide[:k]).sum()) / self.round_cost(rows, k, cost)
+        k = max([k] + [m.fixed for m in members if m.fixed is not None])
+        tokens = 0.0
+        for m in members:
+            counted = k if m.fixed is None else m.fixed
+            tokens += 1 + np.cumprod(m.acceptance.estimate(wide, self.ROW_PRIOR)[:counted]).sum()
         return tokens / self.round_cost(rows, k, cost)
 
     def round_cost(self, rows: int, k: int, cost: Optional[dict] = None) -> float:
@@ -316,21 +376,19 @@ class DraftPolicy:
         sizes = {r for (r, k) in self.times if r != rows and k > 0 and measured(r, k) and measured(r, 0)}
         return min(sizes, key=lambda r: (abs(np.log(r / rows)), r), default=None)
 
-    def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
-        """A round of `k` drafts over `rows` rows took `seconds` (None: not timed) and
-        accepted `accepted[b]` drafts of the rows that drafted."""
+    def observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float],
+                drafted: Optional[Sequence[int]] = None, members: Sequence[Member] = ()) -> None:
+        """A round of `k` drafts over `rows` rows took `seconds` (None: not timed); row b counted
+        `drafted[b]` drafts (default: k) and accepted `accepted[b]`. `members`: the rows' own
+        acceptance, which is updated too."""
+        drafted = [k] * len(accepted) if drafted is None else drafted
         with self.lock:
-            self._observe(rows, k, accepted, seconds)
-
-    def _observe(self, rows: int, k: int, accepted: Sequence[int], seconds: Optional[float]) -> None:
-        if seconds is not None:
-            self.times.setdefault((rows, k), collections.deque(maxlen=self.WINDOW)).append(seconds)
-        for n in accepted:  # conditional acceptance per position, from each row's prefix
-            for i in range(min(n + 1, k)):
-                if self.seen[i] >= 200:  # forget slowly: acceptance drifts with the text
-                    self.hits[i], self.seen[i] = self.hits[i] * 0.99, self.seen[i] * 0.99
-                self.hits[i] += i < n
-                self.seen[i] += 1
+            if seconds is not None:
+                self.times.setdefault((rows, k), collections.deque(maxlen=self.WINDOW)).append(seconds)
+            for b, (n, d) in enumerate(zip(accepted, drafted)):
+                self.wide.observe(d, n)
+                if members:
+                    members[b].acceptance.observe(d, n)
 
 
 _POLICIES: dict[tuple, DraftPolicy] = {}  # (id(drafter), constrained) -> its policy, dropped with the drafter

@@ -105,7 +105,7 @@ class ScriptedTarget:
         finally:
             del cache.begin
         ids = tokens.astype(mx.float32)[:, None, :, None]
-        _, history = cache.update(self.layer, ids, ids, steps[0])  # (B, 1, T, 1): slot = position
+        _, history = steps[0].store(self.layer, ids, ids)  # (B, 1, T, 1): slot = position
         if keep == 0:
             return out
         positions = steps[0].positions[:, tokens.shape[1] - (keep or tokens.shape[1]):]

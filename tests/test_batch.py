@@ -10,7 +10,9 @@ from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.sample import SamplingParams
-from mlx_mtp.speculative import DraftPolicy
+from mlx_mtp.oracle import OracleDrafter
+from mlx_mtp.speculative import K_MAX, Acceptance, DraftPolicy, Member
+from mlx_mtp.stats import Stats
 
 HOT = SamplingParams(temperature=1.0, top_p=0.95)
 
@@ -117,6 +119,70 @@ def test_seeded_rows_are_identical_alone_and_batched():
     out, _ = run_batch(BatchGenerator(target, drafter), jobs, join_later=(5, 6))
     assert out[0] == solo
     assert alone("moe", ps[0], 30, drafter=drafter, sampling=HOT, seed=8) != solo  # the seed matters
+
+
+def test_each_row_is_expected_to_draft_as_it_has_so_far():
+    """Issue 20: a row's own acceptance (the drafter's estimate over all rows as its prior) sets
+    the draft length, so a hard prompt is not drafted for as if it were easy, nor the reverse."""
+    policy = DraftPolicy("auto", k_max=4)
+    easy, hard = Member(Acceptance()), Member(Acceptance())
+    for _ in range(30):  # alternating requests, one easy text and one hard; a round costs 1 + K/4 plain steps
+        for who, accepted in ((easy, lambda k: k), (hard, lambda k: 0)):
+            for k in range(5):
+                policy.observe(1, k, [accepted(k)], 1 + k / 4, members=[who])
+    assert policy._best(1, (easy,)) >= 3
+    assert policy._best(1, (hard,)) == 0
+    assert policy._best(1) >= 3  # the drafter-wide estimate alone: the hard row drafted for as if easy
+
+
+def test_a_mixed_batch_drafts_for_its_rows_as_they_have_done():
+    """One K a round (the verify is rows x (K + 1) whatever a row counts): an easy row among hard
+    ones is worth drafting for, and every row counts all K; hard rows alone are not."""
+    policy = DraftPolicy("auto", k_max=4)
+    easy, hard = Member(Acceptance()), Member(Acceptance())
+    for _ in range(30):  # a round costs 1 + K/4 plain steps; the easy row accepts all, the hard none
+        for k in range(5):
+            policy.observe(2, k, [k, 0], 1 + k / 4, members=[easy, hard])
+    assert policy._best(2, (easy, easy)) == 4
+    assert policy._best(2, (easy, hard)) == 4  # 2 + K tokens for 1 + K/4: the hard row rides along
+    assert policy._best(2, (hard, hard)) == 0
+    assert policy.rate(2, 4, members=(easy, hard)) > policy.rate(2, 4, members=(easy, Member(hard.acceptance, 0)))
+
+
+def test_rows_of_one_batch_keep_their_own_acceptance():
+    """Row 0 is drafted its own continuation, row 1 a wrong one: each row's estimate follows its
+    own drafts (the output stays exact)."""
+    target = tiny_target("dense")
+    p0, p1 = prompts("dense", 2)[0], prompts("dense", 3)[2][:9]
+    truth = alone("dense", p0, 30)
+    oracle = OracleDrafter(truth, len(p0), target.vocab_size, p_right=1.0)
+    gen = BatchGenerator(target, oracle, draft_tokens=3)
+    uids = [gen.insert(p, max_tokens=30) for p in (p0, p1)]
+    rows, out = {}, {u: [] for u in uids}
+    while gen.busy:
+        rows.update({r.uid: r for r in gen.rows})
+        for event in gen.step():
+            out[event.uid] += event.tokens
+    assert out[uids[0]] == truth and out[uids[1]] == alone("dense", p1, 30)
+    prior = np.full(K_MAX, 0.5)
+    own = [rows[u].acceptance.estimate(prior, 1.0) for u in uids]
+    assert own[0][0] > 0.8 and own[1][0] < 0.2
+
+
+def test_auto_rows_count_every_draft_of_a_round_a_fixed_row_lengthens():
+    """A seeded sampled row drafts SEEDED_K tokens a round whatever the policy says; a greedy
+    auto row in the same batch counts those drafts too (they cost nothing more), and stays exact."""
+    target, drafter = tiny_target("dense"), tiny_drafter("dense")
+    ps = prompts("dense", 2)
+    gen = BatchGenerator(target, drafter)
+    gen.policy = DraftPolicy("auto")  # a fresh policy measures plain steps first: it says K = 0
+    greedy = Stats()
+    out, _ = run_batch(gen, {0: (ps[0], dict(max_tokens=20, stats=greedy)),
+                             1: (ps[1], dict(max_tokens=20, sampling=HOT, seed=5))})
+    assert out[0] == alone("dense", ps[0], 20)
+    # batch.SEEDED_K drafts in the rounds the rows shared (the drafter is random: the seeded row
+    # accepts few, so they share most of its 20 tokens); counting its own K, 0, it would draft none
+    assert len(greedy.drafted_at) == 3 and greedy.drafted_at[2] >= 10
 
 
 def test_token_ids_and_budgets_are_checked():

@@ -112,6 +112,18 @@ def test_lookup_mode_on_the_demo_pair(tmp_path):
     assert "renamed to" in res["example"]
 
 
+def test_mixed_mode_on_the_demo_pair(tmp_path):
+    out = tmp_path / "mixed"
+    rc = main(["mixed", "--prose", "1", "--code", "1", "--tokens", "6", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    res, md = _results(out)
+    assert res["mismatches"] == []  # every mode's rows equal plain greedy
+    assert [r["mode"] for r in res["rows"]] == ["plain", "K=3", "auto-wide", "auto"]
+    k3 = res["rows"][1]
+    assert k3["prose_acceptance"] is not None and k3["code_acceptance"] is not None and k3["plain_share"] == 0
+    assert res["auto_vs_best_other"] > 0 and "Target (issue 20)" in md
+
+
 def test_hosttime_mode_on_tiny_dense(tmp_path):
     out = tmp_path / "hosttime"
     rc = main(["hosttime", "--pair", "tiny-dense", "--k", "2,0", "--rounds", "4", "--repeats", "1",

@@ -17,7 +17,7 @@ def fill(cache, n, chunk=1, layer_dims=((2, 4), (2, 8))):
         step = cache.begin(chunk)
         for layer, (h, d) in enumerate(layer_dims):
             k = mx.broadcast_to(step.positions[:, None, :, None].astype(mx.float32), (cache.batch_size, h, chunk, d))
-            cache.update(layer, k, -k, step)
+            step.store(layer, k, -k)
 
 
 def held(cache, kind, row=0):

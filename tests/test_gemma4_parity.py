@@ -78,7 +78,7 @@ def test_prompt_processing_runs_kv_shared_layers_only_where_used(monkeypatch):
     original = gemma4.DecoderLayer.__call__
 
     def spy(self, x, *args, **kwargs):
-        seen.setdefault(id(self), []).append(x.shape[1])
+        seen.setdefault(id(self), []).append(x.shape[0])  # tokens: the rows of x (one prompt)
         return original(self, x, *args, **kwargs)
 
     full_cache, chunk_cache = model.make_cache(), model.make_cache()

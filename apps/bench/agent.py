@@ -35,6 +35,7 @@ import numpy as np
 
 from apps.serve_load import free_port, start_server, stop_server, stream, wait_healthy
 
+from . import regime
 from .env import median
 from .pairs import MID_DRAFTER, MID_TARGET, ROOT, build, n_params
 from .report import fmt, table
@@ -71,7 +72,9 @@ def run_agent(args, log) -> dict:
                 results[cache][name] = run(url)
             finally:
                 stop_server(proc)
-            log(f"{name}, prefix cache {cache}: done")
+            done = summary(name, cache, results[cache][name], None, len(tokenizer.encode(system)))
+            log(f"{name}, prefix cache {cache}: done " + json.dumps({k: v for k, v in done.items()
+                                                                    if k != "same_replies"}))
     rows = [summary(name, cache, runs, results.get("off", {}).get(name), len(tokenizer.encode(system)))
             for cache in caches for name, runs in results[cache].items()]
     mismatches = [f"{r['scenario']}: replies differ with the cache on" for r in rows if r["same_replies"] is False]
@@ -159,7 +162,7 @@ def serve(model: Path, drafter: Path, budget: str, args, log):
                "--served-model-name", args.pair, "--dtype", "float32", "--max-batch", str(max(args.sessions, 1)),
                "--prompt-cache-bytes", budget, "--log-level", "warning"]
     logfile = os.path.join(tempfile.gettempdir(), f"mlx_mtp_agent_{port}.log")
-    proc = start_server(command, port, logfile)
+    proc = start_server(command, port, logfile, env=regime.child_env())  # the server computes in our regime
     wait_healthy(proc, port, timeout=600)
     log(f"server with --prompt-cache-bytes {budget} on port {port} (log: {logfile})")
     return f"http://127.0.0.1:{port}", proc

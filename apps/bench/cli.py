@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured} [options]`
+structured,mixed} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -23,6 +23,7 @@ MODES = {
     "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
     "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
     "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
+    "mixed": ("mixed", "run_mixed"),
     "structured": ("structured", "run_structured"),
 }
 
@@ -179,6 +180,17 @@ def parser() -> argparse.ArgumentParser:
                                                                   "seeded (comma list)")
     a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
     a.set_defaults(repeats=1)
+
+    x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "
+                                     "and per-row auto (issue 20)")
+    common(x, "mixed")
+    x.add_argument("--pair", default="demo", help="demo (a pair with a tokenizer: prose and code prompts)")
+    x.add_argument("--prose", type=int, default=2, help="prose rows")
+    x.add_argument("--code", type=int, default=2, help="code rows")
+    x.add_argument("--k", default="3", help="fixed draft lengths to compare (comma list)")
+    x.add_argument("--tokens", type=int, default=64, help="tokens per code row")
+    x.add_argument("--prose-tokens", type=int, help="tokens per prose row (default: twice --tokens)")
+    x.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
 
     j = sub.add_parser("structured", help="JSON-schema requests: validity, MTP on/off tok/s, forced tokens per "
                                           "forward, grammar host time per round (issue 19)")

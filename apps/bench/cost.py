@@ -124,14 +124,14 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
         cache = None
         if own:  # a real cache holding `ctx` positions, rolled back after every timed forward
             cache = KVCache([attn.layer_type] * (index + 1), cfg.sliding_window, 1, max_rollback=max(sizes))
-            cache.update(index, ck, cv, cache.begin(ctx))
+            cache.begin(ctx).store(index, ck, cv)
         shared = Step(mx.arange(ctx, ctx + T)[None], ctx, {attn.layer_type: mask}, {}, {})
 
         def chain():
             x = x0
             step = cache.begin(T) if own else shared
             for layer in layers:
-                x, _ = layer(x, step, cache, None if own else (ck, cv), pli)
+                x, _ = layer(x, step, None if own else (ck, cv), pli)
             mx.eval(x)
             if own:
                 cache.trim(T)

@@ -48,7 +48,7 @@ def measure_union(loaded, prompts, k, n, repeats):
             if record:
                 verify = [np.array(i) for i in gemma4.ROUTER_RECORD]
                 if verify:
-                    T = verify[0].shape[0] * verify[0].shape[1]
+                    T = verify[0].size // verify[0].shape[-1]  # tokens (ids: tokens x top_k)
                     unions.append((T, rows, [len(np.unique(v)) for v in verify]))
         gemma4.ROUTER_RECORD = None
         return steps, unions

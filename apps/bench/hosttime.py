@@ -17,15 +17,22 @@ code prompt, greedy:
 exposed host ms per round = pipelined wall per round - device-only time per round (medians; the
 repeats' values are medians of within-repeat differences). Graph nodes: the primitives in
 `mx.export_to_dot` of one built round's outputs (tokens, counts, next state, cache arrays),
-before it is evaluated; nodes per token = nodes per round / tokens per row per round (measured).
+before it is evaluated; nodes per token = nodes per round / tokens per row per round (measured),
+and how many are matmuls, views (reshape, transpose, slice, broadcast: no work) and the rest.
+Weight matmuls alone: the round's Linear layers and LM heads (the target's over B x (K+1) rows,
+K drafter steps over B rows) evaluated as one graph of independent products with random inputs:
+what the round costs with every other node free.
 """
 
 from __future__ import annotations
 
+import collections
 import io
+import re
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
@@ -41,11 +48,50 @@ from .speed import pair_dirs, quantization_label
 WARMUP_ROUNDS = 5
 
 
-def graph_nodes(*arrays: mx.array) -> int:
-    """Primitive nodes in the unevaluated graph behind `arrays` (mx.export_to_dot)."""
+VIEWS = {"Reshape", "Transpose", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Flatten", "Unflatten", "AsStrided"}
+
+
+def node_kinds(*arrays: mx.array) -> collections.Counter:
+    """Primitive nodes in the unevaluated graph behind `arrays` (mx.export_to_dot), by name."""
     out = io.StringIO()
     mx.export_to_dot(out, *[a for a in arrays if a is not None])
-    return sum("shape=rectangle" in line for line in out.getvalue().splitlines())
+    return collections.Counter(re.findall(r'label ="(\w+)", shape=rectangle', out.getvalue()))
+
+
+def graph_nodes(*arrays: mx.array) -> int:
+    return sum(node_kinds(*arrays).values())
+
+
+def weight_matmuls(model, rows: int) -> list:
+    """(layer, input) for `model`'s Linear layers and tied LM head over `rows` tokens, random inputs."""
+    pairs = []
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+            pairs.append((m, _input(m, rows)))
+    head = getattr(getattr(model, "model", model), "embed_tokens", None)
+    if head is not None and "lm_head" not in model and "masked_embedding" not in model:
+        pairs.append((head.as_linear, _input(head, rows)))
+    mx.eval([x for _, x in pairs])
+    return pairs
+
+
+def _input(layer, rows: int) -> mx.array:
+    quantized = "scales" in layer
+    dims = layer.weight.shape[1] * (32 // layer.bits if quantized else 1)
+    return mx.random.normal((rows, dims)).astype(layer.scales.dtype if quantized else layer.weight.dtype)
+
+
+def matmul_floor(loaded, B: int, k: int, repeats: int = 9) -> float:
+    """Seconds of a round's weight matmuls alone (see the module docstring)."""
+    pairs = weight_matmuls(loaded.target, B * (k + 1))
+    for _ in range(k):
+        pairs += weight_matmuls(loaded.drafter, B)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        mx.eval([layer(x) for layer, x in pairs])
+        times.append(time.perf_counter() - start)
+    return median(times[1:])
 
 
 def _time_method(gen: BatchGenerator, name: str, parts: dict) -> None:
@@ -103,22 +149,25 @@ def device_only(gen: BatchGenerator, k: int, rounds: int, count_nodes: bool) -> 
     rows = list(range(B))
     cache.settle(rows, cache.offset.tolist(), 0, K_MAX + 1)
     plan = Plan(tuple(SamplingParams() for _ in rows), (k,) * B)
-    builds, evals, nodes, tokens = [], [], None, 0
+    builds, evals, cpu, nodes, tokens = [], [], [], None, 0
     for i in range(rounds):
         start = time.perf_counter()
         state, out = run_round(gen.target, gen.proposer if k else None, cache, state, plan)
         built = time.perf_counter()
         if count_nodes and i == 0:
-            nodes = graph_nodes(out.tokens, out.accepted, out.drafted, state.tokens, state.hidden, cache.offset,
-                                *cache.keys, *cache.values)
+            nodes = node_kinds(out.tokens, out.accepted, out.drafted, state.tokens, state.hidden, cache.offset,
+                               *cache.keys, *cache.values)
             built = time.perf_counter()  # not counting the export
+        busy = time.process_time()
         mx.eval(out.tokens, out.accepted, out.drafted, state.tokens, state.hidden, cache.offset)
         done = time.perf_counter()
+        cpu.append(time.process_time() - busy)
         builds.append(built - start)
         evals.append(done - built)
         tokens += int(out.accepted.sum()) + B
         cache.settle(rows, cache.offset.tolist(), 0, K_MAX + 1)
-    return dict(build=median(builds), device=median(evals), nodes=nodes, tokens_per_round=tokens / (rounds * B))
+    return dict(build=median(builds), device=median(evals), cpu=median(cpu), nodes=nodes,
+                tokens_per_round=tokens / (rounds * B))
 
 
 def run_hosttime(args, log=print) -> dict:
@@ -146,18 +195,28 @@ def run_hosttime(args, log=print) -> dict:
         log(f"  pass {r + 1}/{args.repeats + 1} done")
     rows = []
     for k, reps in samples.items():
-        nodes = next((d["nodes"] for _, d in reps if d["nodes"] is not None), None)
+        kinds = next((d["nodes"] for _, d in reps if d["nodes"] is not None), None)
+        nodes = sum(kinds.values()) if kinds else None
         per_token = median([p["tokens_per_round"] for p, _ in reps])
         rows.append(dict(
             k=k, wall_ms=1e3 * median([p["wall"] for p, _ in reps]),
             device_ms=1e3 * median([d["device"] for _, d in reps]),
+            device_cpu_ms=1e3 * median([d["cpu"] for _, d in reps]),
             exposed_ms=1e3 * median([p["wall"] - d["device"] for p, d in reps]),
             build_ms=1e3 * median([d["build"] for _, d in reps]),
             launch_ms=1e3 * median([p["launch"] for p, _ in reps]) if reps[0][0]["launch"] is not None else None,
             read_ms=1e3 * median([p["read"] for p, _ in reps]) if reps[0][0]["read"] is not None else None,
             tokens_per_round=per_token, nodes_per_round=nodes,
             nodes_per_token=nodes / per_token if nodes and per_token else None,
+            matmul_nodes=kinds["Matmul"] if kinds else None,
+            view_nodes=sum(n for name, n in kinds.items() if name in VIEWS) if kinds else None,
+            node_kinds=dict(kinds.most_common()) if kinds else None,
+            matmul_floor_ms=1e3 * matmul_floor(loaded, args.batch, k),
         ))
+    plain = next((r for r in rows if r["k"] == 0), None)
+    for r in rows:
+        r["plain_steps_per_round"] = r["device_ms"] / plain["device_ms"] if plain else None
+        r["plain_steps_per_round_cpu"] = r["device_cpu_ms"] / plain["device_cpu_ms"] if plain else None
     return dict(mode="hosttime", pair=args.pair, quantization=quantization_label(target_dir, loaded.target),
                 batch=args.batch, rounds=args.rounds, repeats=args.repeats, prompt_tokens=len(prompt),
                 prompt_class=cls, rows=rows, mismatches=sorted(mismatches))
@@ -171,16 +230,31 @@ def hosttime_md(res: dict) -> str:
            "state built with `run_round` and evaluated alone (device-only time, host build time); exposed = wall - "
            f"device-only, medians of {res['repeats']} repeats after a warm-up. launch / read: time inside the "
            "driver's `_launch` (build + queue the next round) and `_read` (wait for a round, hand out its tokens) per "
-           "step. Target (issue 13): exposed host time per MTP round <= 1 ms at B = 1.", ""]
-    rows = [[r["k"], fmt(r["wall_ms"]), fmt(r["device_ms"]), fmt(r["exposed_ms"]),
-             "-" if r["k"] == 0 else ("met" if r["exposed_ms"] <= 1.0 else "MISSED"), fmt(r["build_ms"]),
-             fmt(r["launch_ms"]), fmt(r["read_ms"]), fmt(r["tokens_per_round"]), fmt(r["nodes_per_round"]),
-             fmt(r["nodes_per_token"], ".0f")] for r in res["rows"]]
+           "step. CPU ms: the process's CPU time while a round is evaluated alone (other jobs on the cores "
+           "disturb it less than wall time). Target (issue 13): exposed host time per MTP round <= 1 ms at B = 1. "
+           "Graph nodes of one built "
+           "round: matmuls / views (no work) / the rest; weight matmuls alone: the round's Linear layers and heads "
+           "with every other node free (module docstring).", ""]
+    rows = [[r["k"], fmt(r["wall_ms"]), fmt(r["device_ms"]), fmt(r.get("device_cpu_ms")),
+             f"{fmt(r.get('plain_steps_per_round'))} / {fmt(r.get('plain_steps_per_round_cpu'))}",
+             fmt(r["exposed_ms"]), "-" if r["k"] == 0 else ("met" if r["exposed_ms"] <= 1.0 else "MISSED"),
+             fmt(r["build_ms"]), fmt(r["launch_ms"]), fmt(r["read_ms"]), fmt(r["tokens_per_round"]),
+             fmt(r["nodes_per_round"]), _split(r), fmt(r["nodes_per_token"], ".0f"), fmt(r.get("matmul_floor_ms"))]
+            for r in res["rows"]]
     if res["mismatches"]:
         out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
     else:
         out += ["The pipelined rounds' tokens equal plain greedy decoding (every K, repeat).", ""]
-    out += [table(["K", "wall ms/round (pipelined)", "device-only ms/round", "exposed host ms/round",
-                   "target <= 1 ms", "host build ms", "in _launch ms", "in _read ms", "tokens/row/round",
-                   "graph nodes/round", "nodes/token"], rows), ""]
+    out += [table(["K", "wall ms/round (pipelined)", "device-only ms/round", "its CPU ms",
+                   "round in plain steps (wall / CPU)",
+                   "exposed host ms/round", "target <= 1 ms", "host build ms", "in _launch ms", "in _read ms",
+                   "tokens/row/round", "graph nodes/round", "matmul / view / rest", "nodes/token",
+                   "weight matmuls alone ms"], rows), ""]
     return "\n".join(out)
+
+
+def _split(row: dict) -> str:
+    if row.get("matmul_nodes") is None:
+        return "-"
+    rest = row["nodes_per_round"] - row["matmul_nodes"] - row["view_nodes"]
+    return f"{row['matmul_nodes']} / {row['view_nodes']} / {rest}"

@@ -79,6 +79,17 @@ def setup(name: str) -> dict:
     return describe()
 
 
+def child_env() -> dict | None:
+    """The environment for a subprocess (a server) to run in this process's regime: MKL
+    preloaded for `mkl`; None for stock. The streaming emulation needs an in-process init."""
+    name = _state.get("name", "stock")
+    if name == "stock":
+        return None
+    if name == "streaming":
+        raise RegimeError("the streaming regime cannot be passed to a server subprocess (use stock or mkl)")
+    return dict(os.environ, LD_PRELOAD=_state["mkl"], MKL_NUM_THREADS=str(_state["mkl_threads"]))
+
+
 def describe() -> dict:
     """The regime as recorded in every report's environment."""
     s = _state or {"name": "stock (not set up)", "mkl": None, "mkl_threads": None, "streaming_lib": None,

@@ -7,13 +7,18 @@ nothing outside `models/` names a Gemma class.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import logging
-from typing import Any, Iterator, NamedTuple, Optional, Protocol
+import weakref
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cache import KVCache, SharedKV, Step
+from ..jit import Bounded
 
 log = logging.getLogger("mlx_mtp")
 
@@ -146,6 +151,64 @@ def force_fused(on: Optional[bool]) -> Iterator[None]:
         yield
     finally:
         _forced_fused = saved
+
+
+def compiled(method: Callable) -> Callable:
+    """`mx.compile` a module method, traced once per set of argument shapes, dtypes and constants.
+
+    The other arguments must be trees (tuples, lists, dicts) of arrays and constants (ints,
+    floats, strings, None). The module's own arrays are inputs of every call, never constants
+    captured at the first trace, so weights loaded or changed later are the ones used; and the
+    trace runs on a copy of the module's structure holding the tracers, so the module itself never
+    holds one (another thread may be running it). Whether `mx.fast` kernels are used is part of
+    the key. Compiled functions are per module object and per thread (MLX keeps traces per thread),
+    their traces bounded in number (`jit.Bounded`).
+    """
+
+    @functools.wraps(method)
+    def call(self, *args):
+        mine = self.__dict__.get("_compiled")
+        if mine is None:  # an attribute, not a child: the module's dict holds its arrays only
+            mine = _Compiled()
+            object.__setattr__(self, "_compiled", mine)
+        fn = mine.get(method)
+        if fn is None:
+            fn = mine[method] = _compile(method, weakref.ref(self))
+        return fn(self, fused_kernels(), *args)
+
+    return call
+
+
+class _Compiled(dict):
+    """A module's compiled methods. A copy of the module compiles its own (these hold the
+    module they were made for)."""
+
+    def __copy__(self):
+        return _Compiled()
+
+    def __deepcopy__(self, memo):
+        return _Compiled()
+
+
+def _compile(method: Callable, module: weakref.ref) -> Callable:
+    def traced(arrays, fused, *args):  # arrays: the module's dict, as compile's tracers
+        return method(_holding(module(), arrays), *args)
+
+    return Bounded(traced, skip=1)  # refers to the module weakly: it holds this function
+
+
+def _holding(structure, arrays):
+    """A copy of a module tree's structure (modules, lists, dicts) with `arrays`' leaves."""
+    if isinstance(structure, nn.Module):
+        out = copy.copy(structure)
+        for key, value in structure.items():
+            dict.__setitem__(out, key, _holding(value, arrays[key]))
+        return out
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_holding(s, a) for s, a in zip(structure, arrays))
+    if isinstance(structure, dict):
+        return {key: _holding(value, arrays[key]) for key, value in structure.items()}
+    return arrays
 
 
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache, Step
-from .base import BaseConfig, ConfigError, TargetOutput, fused_kernels, log, rms_norm
+from .base import BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, rms_norm
 
 
 @dataclasses.dataclass
@@ -174,8 +174,9 @@ def rope_periods(params: dict, head_dim: int) -> np.ndarray:
 
 class Rope:
     """Rotary embedding of one layer type. GPUs get `mx.fast.rope`; elsewhere the cos/sin table
-    of a forward's positions is built once per layer type (in the step's scratch) and applied
-    by one compiled function, instead of each layer recomputing it."""
+    of a forward's positions is built once per layer type (in the step's scratch), and a layer
+    rotates with one matmul by a signed permutation (exact) and one compiled elementwise
+    function, instead of splitting, casting and concatenating halves."""
 
     def __init__(self, params: dict, head_dim: int):
         periods = rope_periods(params, head_dim)
@@ -188,18 +189,38 @@ class Rope:
         if fused_kernels():
             return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=step.offset,
                                 freqs=self.freqs)
+        return _rotate(x, *self.table(step), _half_turn(self.dims, x.dtype))
+
+    def table(self, step: Step) -> tuple[mx.array, mx.array]:
+        """(cos, sin) of `step`'s positions, (B, 1, L, D), each pair's angle in both its halves:
+        made once per step and layer type."""
         table = step.scratch.get(self.key)
         if table is None:
-            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse  # (B, 1, L, D/2)
+            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse
+            angles = mx.concatenate([angles, angles], axis=-1)
             table = step.scratch[self.key] = (mx.cos(angles), mx.sin(angles))
-        return _rotate(x, *table)
+        return table
 
 
 @mx.compile
-def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, half_turn: mx.array) -> mx.array:
+    # rotate_half(x) = concat(-x2, x1) = x @ half_turn: one exact product per entry
+    return (x * cos + (x @ half_turn) * sin).astype(x.dtype)
+
+
+_HALF_TURNS: dict = {}
+
+
+def _half_turn(dims: int, dtype: mx.Dtype) -> mx.array:
+    """(D, D) signed permutation with x @ it = concat(-x[D/2:], x[:D/2]), per size and dtype
+    (built on the host: an evaluated array, usable from any thread)."""
+    key = (dims, dtype)
+    if key not in _HALF_TURNS:
+        half, m = dims // 2, np.zeros((dims, dims), dtype=np.float32)
+        m[np.arange(half) + half, np.arange(half)] = -1
+        m[np.arange(half), np.arange(half) + half] = 1
+        _HALF_TURNS[key] = mx.array(m, dtype=dtype)
+    return _HALF_TURNS[key]
 
 
 class Attention(nn.Module):
@@ -221,22 +242,40 @@ class Attention(nn.Module):
                 self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
-        self._rope = Rope(cfg.rope_parameters[self.layer_type], hd)
+        self.rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
-    def __call__(self, x: mx.array, step: Step, cache: Optional[KVCache] = None, shared_kv=None):
-        """Returns (output, kv): kv is the (keys, values) attended over, which a KV-shared
-        layer passes in as `shared_kv` instead of computing its own."""
-        B, L, _ = x.shape
+    def __call__(self, x: mx.array, step: Step, shared_kv=None):
+        """x: (B * L, H), the rows' tokens in order. Returns (output, kv): kv is the (keys, values)
+        attended over, which a KV-shared layer passes in as `shared_kv` instead of computing (and
+        storing) its own."""
+        B, L = step.positions.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        q = self._rope(q.transpose(0, 2, 1, 3), step)
+        q = self.rope(q.transpose(0, 2, 1, 3), step)
         if shared_kv is None:
             k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
             v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-            k = self._rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
             v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
-            shared_kv = cache.update(self.index, k, v, step)
-        out = mx.fast.scaled_dot_product_attention(q, *shared_kv, scale=1.0, mask=step.masks[self.layer_type])
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared_kv
+            shared_kv = step.store(self.index, k, v)
+        out = attention(q, *shared_kv, step.masks[self.layer_type])
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, self.n_heads * self.head_dim)), shared_kv
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:
+    """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T).
+    GPUs run `mx.fast`'s kernel; elsewhere (where that kernel is split into many ops) the heads
+    sharing a K/V head attend as one matrix, with no broadcast copies of the K/V."""
+    if fused_kernels():
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+    B, n, L, D = q.shape
+    n_kv, T = keys.shape[1], keys.shape[2]
+    rows = n // n_kv * L
+    scores = q.reshape(B, n_kv, rows, D) @ keys.swapaxes(-1, -2)  # (B, n_kv, heads per K/V head * L, T)
+    if mask is not None:
+        if rows != L:  # the same mask for every head of a group
+            mask = mx.broadcast_to(mask[:, :, None], (B, 1, n // n_kv, L, T)).reshape(B, 1, rows, T)
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(B, n, L, D)
 
 
 class MLP(nn.Module):
@@ -251,7 +290,7 @@ class MLP(nn.Module):
 
 
 # Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
-# its (B, L, top_k) expert ids, in layer order. None (the default) records nothing.
+# its (tokens, top_k) expert ids, in layer order. None (the default) records nothing.
 ROUTER_RECORD: Optional[list] = None
 
 
@@ -320,9 +359,9 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(P, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
-    def __call__(self, x, step: Step, cache=None, shared_kv=None, per_layer_input=None):
+    def __call__(self, x, step: Step, shared_kv=None, per_layer_input=None):
         """One residual block; returns (output, kv) as `Attention` does."""
-        attn, kv = self.self_attn(self.input_layernorm(x), step, cache, shared_kv)
+        attn, kv = self.self_attn(self.input_layernorm(x), step, shared_kv)
         h = x + self.post_attention_layernorm(attn)
         f = self.mlp(self.pre_feedforward_layernorm(h))
         if "router" in self:
@@ -362,7 +401,7 @@ class TextModel(nn.Module):
         return scaled_embed(self.embed_tokens, ids, math.sqrt(self.cfg.hidden_size))
 
     def per_layer_inputs(self, ids: mx.array, x: mx.array) -> mx.array:
-        """(B, L, layers, P) per-layer embedding signal for E2B/E4B."""
+        """(N, layers, P) per-layer embedding signal for E2B/E4B, of ids (N,) embedded as x (N, H)."""
         cfg = self.cfg
         shape = (*ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         tok = scaled_embed(self.embed_tokens_per_layer, ids, math.sqrt(shape[-1])).reshape(shape)
@@ -375,15 +414,18 @@ class TextModel(nn.Module):
         """The layers this process computes: all of them, or its pipeline stage's."""
         return (0, self.cfg.num_hidden_layers) if self.pipeline is None else self.pipeline.span
 
-    def __call__(self, ids: mx.array, cache: KVCache, keep: Optional[int] = None) -> Optional[mx.array]:
-        """Hidden states (B, L, H), or only the last `keep` positions' (None for keep=0). A
-        pipeline stage before the last hands its output to the next rank and returns None."""
+    def __call__(self, ids: mx.array, step: Step, keep: Optional[int] = None) -> Optional[mx.array]:
+        """Hidden states of ids (B, L) as (B * L, H) rows, or of only the last `keep` positions of
+        each row (None for keep=0). Tokens stay rows of a 2D array from layer to layer (a Linear
+        of a 3D array flattens and unflattens it: two more graph nodes). A pipeline stage before
+        the last hands its output to the next rank and returns None."""
         cfg = self.cfg
         B, L = ids.shape
-        step = cache.begin(L)
+        H = cfg.hidden_size
         first, end = self.span
-        x = self.embed(ids) if first == 0 else self.pipeline.receive((B, L, cfg.hidden_size))
-        ple = self.per_layer_inputs(ids, x) if cfg.hidden_size_per_layer_input else None
+        flat = ids.reshape(B * L)
+        x = self.embed(flat) if first == 0 else self.pipeline.receive((B, L, H)).reshape(B * L, H)
+        ple = self.per_layer_inputs(flat, x) if cfg.hidden_size_per_layer_input else None
         kvs: dict[int, tuple[mx.array, mx.array]] = {}
         for i in range(first, end):
             layer, src = self.layers[i], cfg.kv_source(i)
@@ -391,20 +433,27 @@ class TextModel(nn.Module):
                 # KV-shared layers store nothing: run them only where their output is used.
                 if keep == 0:
                     return None
-                x, step = x[:, L - keep :], step.last(keep)
-                ple = ple[:, L - keep :] if ple is not None else None
-            pli = ple[:, :, i] if ple is not None else None
-            x, kv = layer(x, step, cache if src == i else None, kvs.get(src), pli)
+                x, step = _last(x, B, keep), step.last(keep)
+                ple = _last(ple, B, keep) if ple is not None else None
+                L = keep
+            pli = ple[:, i] if ple is not None else None
+            x, kv = layer(x, step, kvs.get(src), pli)
             if src == i and i in self.sources:
                 kvs[i] = kv
         if end < cfg.num_hidden_layers:
-            self.pipeline.send(x)
+            self.pipeline.send(x.reshape(B, L, H))
             return None
         if keep is not None:
             if keep == 0:
                 return None
-            x = x[:, x.shape[1] - keep :]
+            x = _last(x, B, keep)
         return self.norm(x)
+
+
+def _last(x: mx.array, rows: int, n: int) -> mx.array:
+    """The last `n` tokens of each of `rows` rows of x (rows * L, ...)."""
+    x = x.reshape(rows, -1, *x.shape[1:])
+    return x[:, x.shape[1] - n :].reshape(rows * n, *x.shape[2:])
 
 
 class Model(nn.Module):
@@ -430,11 +479,25 @@ class Model(nn.Module):
         """Forward `tokens` (B, L) after what `cache` holds. `keep`: only the last `keep`
         positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
-        hidden = self.model(tokens, cache, keep)
+        step = cache.begin(tokens.shape[1])
+        # Pipeline sends and the router record are side effects: they run uncompiled.
+        compilable = step.fixed and self.pipeline is None and ROUTER_RECORD is None
+        logits, hidden, keys, values = (self._compiled_forward if compilable else self._forward)(tokens, step, keep)
+        cache.keys[:], cache.values[:] = keys, values  # (what a compiled forward returns: new buffers)
         if self.model.span[1] < self.config.num_hidden_layers:
             return self._elsewhere(tokens.shape, keep)
-        logits = None if hidden is None else self.logits(hidden)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def _forward(self, tokens: mx.array, step: Step, keep: Optional[int]) -> tuple:
+        """(logits, hidden, K buffers, V buffers) of one forward."""
+        hidden = self.model(tokens, step, keep)
+        if hidden is None:
+            return None, None, step.keys, step.values
+        shape = (tokens.shape[0], hidden.shape[0] // tokens.shape[0])
+        return self.logits(hidden).reshape(*shape, -1), hidden.reshape(*shape, -1), step.keys, step.values
+
+    # A step that keeps its shapes (decoding, verifying) runs as one compiled graph.
+    _compiled_forward = compiled(_forward)
 
     def _elsewhere(self, shape: tuple[int, int], keep: Optional[int]) -> TargetOutput:
         """An earlier pipeline stage's output: logits and hidden states live on the last rank.

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ..cache import FULL, SLIDING, Step
 from . import gemma4
-from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel
+from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel, compiled, fused_kernels
 
 
 @dataclasses.dataclass
@@ -94,7 +94,11 @@ class Model(nn.Module):
             step: `self.step(shared_kv, position[:, None])`, made once for a block's steps.
         """
         step = step if step is not None else self.step(shared_kv, position[:, None])
-        h = self.trunk(token_embed[:, None], hidden[:, None], shared_kv, step)[:, 0]
+        return self._draft(token_embed, hidden, shared_kv, step)
+
+    @compiled  # every step of every round has the same shapes: one compiled graph
+    def _draft(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> DraftOutput:
+        h = self.trunk(token_embed, hidden, shared_kv, step)
         next_hidden = self.post_projection(h)
         if "masked_embedding" in self:
             logits, ids = self.masked_embedding(h, self.model.embed_tokens)
@@ -102,16 +106,22 @@ class Model(nn.Module):
         return DraftOutput(self.model.embed_tokens.as_linear(h), next_hidden)
 
     def step(self, shared_kv: dict[str, SharedKV], positions: mx.array) -> Step:
-        """Masks (and room for RoPE tables) for (B, T) queries at consecutive positions over the
-        target's K/V: the same for every step of a draft block."""
+        """Masks and RoPE tables for (B, T) queries at consecutive positions over the target's
+        K/V: the same for every step of a draft block."""
         masks = {kind: self.model.mask(kind, kv.positions, positions) for kind, kv in shared_kv.items()}
-        return Step(positions, positions[:, 0], masks, {}, {})
+        step = Step(positions, positions[:, 0], masks, {}, {})
+        if not fused_kernels():
+            for layer in self.model.layers:
+                layer.self_attn.rope.table(step)
+        return step
 
     def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
-        """Pre-projection and decoder layers for (B, T) queries at `step.positions`: one query
-        per row when drafting, a whole text chunk at once when training."""
-        x = self.pre_projection(mx.concatenate([token_embed, hidden.astype(token_embed.dtype)], -1))
-        return self.model(x, shared_kv, step)
+        """Pre-projection and decoder layers for (B, T) queries at `step.positions`: a whole text
+        chunk at once when training, inputs (B, T, H_t); one query per row when drafting, (B, H_t).
+        Returns (B, T, H) or (B, H) likewise."""
+        x = mx.concatenate([token_embed, hidden.astype(token_embed.dtype)], -1)
+        x = self.pre_projection(x.reshape(step.positions.size, x.shape[-1]))  # tokens as rows
+        return self.model(x, shared_kv, step).reshape(*token_embed.shape[:-1], x.shape[-1])
 
     def check_target(self, target: TargetModel) -> None:
         """Raise ValueError unless this drafter can read `target`'s hidden state and K/V."""
@@ -161,6 +171,7 @@ class _DraftBody(nn.Module):
         self.norm = gemma4.RMSNorm(t.hidden_size, t.rms_norm_eps)
 
     def __call__(self, x: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
+        """x: (B * T, H), the rows' queries in order."""
         for layer, kind in zip(self.layers, self.cfg.layer_types):
             kv = shared_kv[kind]
             x, _ = layer(x, step, shared_kv=(kv.keys, kv.values))

@@ -86,6 +86,7 @@ def serve(loaded, model_id: str, args) -> int:
     """Serve a loaded model as `model_id` until interrupted."""
     import uvicorn
 
+    from .. import jit
     from ..engine import Engine
     from .app import Settings, create_app, served_model
 
@@ -103,6 +104,7 @@ def serve(loaded, model_id: str, args) -> int:
                 "prefix cache off"
             print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
                   file=sys.stderr, flush=True)
+            jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)

@@ -1,0 +1,85 @@
+"""Compiled MLX functions: bounded in memory, and noticed when their kernels are first built.
+
+MLX keeps a trace of a compiled function for every set of argument shapes and constants it meets,
+about 2 KB per graph node, for as long as the function lives: `Bounded` drops them all past a
+number of signatures. On the CPU backend each fused kernel of a compiled graph is C++ built by the
+system compiler the first time it is used (about half a second each), then kept on disk, under
+the temporary directory, for every later run: a fresh machine's first reply can take many seconds.
+Front ends say so instead of looking hung; the library only reports it, through a callback.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+NOTICE = "compiling kernels, first run only"
+
+
+class Bounded:
+    """`mx.compile(fn)`, traced again (all earlier traces freed) once it has met `limit` argument
+    signatures: shapes and dtypes of its arrays, values of its constants (the first `skip`
+    arguments left out: a module's weights, which keep their shapes). For functions whose shapes
+    keep changing over a long run (a KV cache's size, a batch's rows, sampling parameters)."""
+
+    def __init__(self, fn: Callable, limit: int = 48, skip: int = 0):
+        self.fn, self.limit, self.skip = fn, limit, skip
+        self.compiled, self.seen = mx.compile(fn), set()
+
+    def __call__(self, *args):
+        key = signature(args[self.skip :])
+        if key not in self.seen:
+            if len(self.seen) >= self.limit:
+                self.compiled, self.seen = None, set()  # the old traces go with the old function
+                self.compiled = mx.compile(self.fn)
+            self.seen.add(key)
+        return self.compiled(*args)
+
+
+def signature(tree: Any) -> Any:
+    """A hashable summary of a compile argument tree: what MLX keys its traces on."""
+    if isinstance(tree, mx.array):
+        return tree.shape, tree.dtype
+    if isinstance(tree, (tuple, list)):
+        return tuple(signature(t) for t in tree)
+    if isinstance(tree, dict):
+        return tuple((k, signature(v)) for k, v in tree.items())
+    return tree
+
+
+def kernel_dir() -> Path:
+    """Where MLX's CPU backend keeps the kernels it compiled (per MLX version)."""
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def on_first_compile(say: Callable[[], None], every: float = 0.2) -> Optional[threading.Thread]:
+    """Call `say()` once, from a daemon thread, as soon as MLX starts writing new kernels (none
+    on a machine that has run this before, or on a GPU, whose kernels build in milliseconds).
+    Returns the watching thread, or None where there is nothing to watch."""
+    if mx.default_device() != mx.cpu:
+        return None
+    folder = kernel_dir()
+    before = _stamp(folder)
+
+    def watch():
+        while _stamp(folder) == before:
+            time.sleep(every)
+        say()
+
+    thread = threading.Thread(target=watch, name="mlx_mtp-jit-notice", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stamp(folder: Path) -> Optional[int]:
+    """Changes whenever a file is added to `folder` (or the folder appears)."""
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return None
