@@ -5,9 +5,11 @@ from .batch import BatchGenerator
 from .conversation import Conversation
 from .engine import Engine, QueueFull, Request, RequestHandle
 from .generate import ContextLengthError, Event, Result, generate, stream_generate
+from .grammar import Grammar
 from .loading import Loaded, load
+from .processors import Penalties
 from .sample import SamplingParams
 from .stats import Stats
 
 __version__ = "0.1.0"
-__all__ = ["BatchGenerator", "Conversation", "Engine", "QueueFull", "Request", "RequestHandle", "ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats"]
+__all__ = ["BatchGenerator", "Conversation", "Engine", "QueueFull", "Request", "RequestHandle", "ContextLengthError", "load", "Loaded", "generate", "stream_generate", "Event", "Result", "SamplingParams", "Stats", "Grammar", "Penalties"]

@@ -8,7 +8,10 @@ part ways with theirs (`PrefixCache`). Each row owns its request: sampling param
 stop tokens, token budget, MTP on/off and draft length; its output equals what it would get alone.
 
 Rounds are pipelined: `step()` builds and queues round n+1 before it reads round n's tokens, so
-the host's work of building a round and handing out tokens hides behind the device's work.
+the host's work of building a round and handing out tokens hides behind the device's work. A
+row with a grammar is the exception: its next round's forced tokens and masks come from this
+round's tokens, so while one runs, each round is read as soon as it is queued. Rows may ask for
+logits processors (penalties, bias, a grammar) and log-probabilities (`processors`).
 The shape follows mlx-lm's `BatchGenerator.insert(...)` / `remove(...)`.
 """
 
@@ -27,6 +30,7 @@ from .drafters import as_proposer
 from .lockstep import ALONE, Lockstep
 from .models.base import TargetModel
 from .prefix_cache import PrefixCache
+from .processors import MAX_LOGPROBS, NONE, Penalties, Processors, RowProcessing, row_logprobs
 from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
 from .speculative import (K_MAX, MAX_ROLLBACK, Acceptance, BatchState, Member, Plan, RoundOutput, check_draft_tokens,
                           policy_for, run_round)
@@ -47,8 +51,9 @@ class RowEvent:
     uid: int
     tokens: list
     from_draft: list
-    finish_reason: Optional[str] = None  # "stop", "length" or "cancelled"
+    finish_reason: Optional[str] = None  # "stop", "length", "cancelled", or "dead_end" (the grammar allows nothing)
     stats: Optional[Stats] = None
+    logprobs: Optional[list] = None  # per token (logprob, ((token, logprob), ...)) when the row asked
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,6 +77,8 @@ class _Row:
     first: Optional[mx.array] = None
     began: float = 0.0
     pinned: list = dataclasses.field(default_factory=list)  # states the row left for its owner
+    processing: RowProcessing = RowProcessing()
+    first_logprobs: Optional[tuple] = None
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
 
     @property
@@ -86,6 +93,11 @@ class _Inflight:
     rows: list
     plan: Plan
     after_prefill: bool  # a prompt chunk ran just before it: its wall time is not the round's
+
+    @property
+    def serial(self) -> bool:
+        """Read as soon as queued: a row's grammar needs its tokens to build the next round."""
+        return self.plan.processors is not None and self.plan.processors.serial
 
 
 class BatchGenerator:
@@ -110,6 +122,7 @@ class BatchGenerator:
         self.target = target
         self.proposer = as_proposer(drafter, target)
         self.policy = policy_for(drafter, draft_tokens)
+        self.constrained_policy = policy_for(drafter, draft_tokens, constrained=True)  # rounds with a grammar
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix_cache
         self.limit = target.config.max_position_embeddings
@@ -140,7 +153,8 @@ class BatchGenerator:
     def insert(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                seed: Optional[int] = None, stop_ids: Sequence[int] = (), mtp: bool = True,
                draft_tokens: Union[int, str] = "auto", boundaries: Sequence[int] = (),
-               owner: Optional[Hashable] = None, stats: Optional[Stats] = None) -> int:
+               owner: Optional[Hashable] = None, stats: Optional[Stats] = None, penalties: Penalties = NONE,
+               grammar=None, logprobs: Optional[int] = None) -> int:
         """Queue a sequence; returns its uid. Its first token comes from a later `step()`.
 
         Args:
@@ -160,6 +174,10 @@ class BatchGenerator:
                 conversation keeping its latest turn); once the row is done, the ones earlier
                 rows left for it are released.
             stats: the `Stats` to keep the row's statistics in (a new one by default).
+            penalties: the row's penalties and logit bias.
+            grammar: a `grammar.Matcher` its output must match (ends with "dead_end" if it
+                ever allows no token).
+            logprobs: report each token's log-probability, with this many alternatives (0..20).
 
         Raises:
             ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
@@ -177,10 +195,22 @@ class BatchGenerator:
         row = _Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
+        row.processing = self._processing(penalties, grammar, logprobs, len(ids))
         self.lockstep.inserting(self, row)
         self._uids += 1
         self.pending.append(row)
         return uid
+
+    def _processing(self, penalties: Penalties, grammar, logprobs: Optional[int], start: int) -> RowProcessing:
+        if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {logprobs!r}")
+        if any(t >= self.target.vocab_size for t, _ in penalties.logit_bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary (0..{self.target.vocab_size - 1})")
+        processing = RowProcessing(penalties, grammar, logprobs, start)
+        if processing.active and self.lockstep is not ALONE:
+            raise ValueError("grammars, penalties, logit bias and logprobs are not supported under pipeline parallelism")
+        return processing
 
     def _check_prompt(self, prompt) -> list:
         ids = list(prompt)
@@ -268,8 +298,11 @@ class BatchGenerator:
         launched = self._launch(prefilled) if self.rows else None
         events += self._read(self._inflight, launched)
         self._inflight = launched
-        if launched is None:
-            self._last_read = None
+        if launched is not None and launched.serial:  # the next round is built from its tokens: read them now
+            events += self._read(launched, None)
+            self._inflight = None
+        if launched is None or (self._inflight is None and all(r.finish_reason for r in self.rows)):
+            self._last_read = None  # nothing runs until the next round: the wait is not a round's
         self.lockstep.stepped(self)
         return events
 
@@ -279,16 +312,26 @@ class BatchGenerator:
         floor = max([m.fixed for m in members if m.fixed is not None], default=0)
         k = floor
         if any(m.fixed is None for m in members):
-            k = max(floor, self.lockstep.draft_tokens(self, lambda: self.policy.choose(len(rows), members)))
-        plan = Plan(tuple(r.params for r in rows), tuple(k if m.fixed is None else m.fixed for m in members))
+            policy = self._policy(any(r.processing.grammar is not None for r in rows))
+            k = max(floor, self.lockstep.draft_tokens(self, lambda: policy.choose(len(rows), members)))
+        limits = tuple(k if m.fixed is None else m.fixed for m in members)
+        processors = Processors.build([r.processing for r in rows], self.target.vocab_size, K_MAX)
+        if processors is not None:
+            limits = processors.limits(limits)  # forced tokens are drafted, whatever the draft length
+        plan = Plan(tuple(r.params for r in rows), limits, processors)
         if self.state.history is not None:  # room for this round's tokens
             needed = int(self.cache.bound.max()) + plan.k + 2
             if needed > self.state.history.shape[1]:
                 self.state.history = _widen(self.state.history, needed + 256)
         self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan, self.lockstep.share,
                                     queue=mx.async_eval)
-        mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset)
+        mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset,
+                      *[a for a in out.logprobs or () if a is not None])
         return _Inflight(out, list(rows), plan, after_prefill)
+
+    def _policy(self, constrained: bool):
+        """The policy of rounds with a grammar row (read serially, led by forced tokens), or of the rest."""
+        return self.constrained_policy if constrained else self.policy
 
     def _fixed_k(self, row: _Row) -> Optional[int]:
         """The drafts that count for `row` whatever the round makes; None: the round's K, which
@@ -308,37 +351,53 @@ class BatchGenerator:
             return []  # nobody waits for it: don't wait for the device either
         out = inflight.out
         tokens, accepted, drafted = out.tokens.tolist(), out.accepted.tolist(), out.drafted.tolist()
+        logprobs = out.logprobs and tuple(None if a is None else a.tolist() for a in out.logprobs)
         now = time.perf_counter()
-        alike = launched is not None and launched.plan.k == inflight.plan.k and len(launched.rows) == len(inflight.rows)
-        timed = alike and self._last_read is not None and not (inflight.after_prefill or launched.after_prefill)
-        seconds = now - self._last_read if timed else None
+        seconds = now - self._last_read if self._timed(inflight, launched) else None
         if self._last_read is not None:
             self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
         self._last_read = now
         plan = inflight.plan
+        forced = plan.processors.nforced if plan.processors is not None else [0] * len(inflight.rows)
+        # Forced drafts are accepted whatever the drafter does: they say nothing of its acceptance.
+        drafted_by = [0 if f else d for d, f in zip(drafted, forced)]
         members = [Member(r.acceptance) for r in inflight.rows]
-        self.policy.observe(len(inflight.rows), plan.k, accepted, seconds, drafted, members)
+        self._policy(inflight.serial).observe(len(inflight.rows), plan.k, accepted, seconds, drafted_by, members)
         events = []
-        for row, toks, n, k in zip(inflight.rows, tokens, accepted, drafted):
+        for b, (row, toks, n, k) in enumerate(zip(inflight.rows, tokens, accepted, drafted)):
             if row.finish_reason is None:
-                events.append(self._deliver(row, toks[: n + 1], n, k))
+                top = row.processing.logprobs
+                lp = row_logprobs(logprobs, b, n + 1, top) if logprobs and top is not None else None
+                events.append(self._deliver(row, toks[: n + 1], n, k, lp, forced[b]))
         self._settle(inflight, launched)
         return events
+
+    def _timed(self, inflight: _Inflight, launched: Optional[_Inflight]) -> bool:
+        """Whether the time since the last read is this round's own: a pipelined round's when
+        the round queued after it is alike, a serial round's (read as soon as queued) always;
+        neither's when a prompt chunk ran in between."""
+        if self._last_read is None or inflight.after_prefill or (inflight.plan.processors is not None
+                                                                 and any(inflight.plan.processors.nforced)):
+            return False  # (forced drafts make a round that drafted without the drafter's cost)
+        if inflight.serial:
+            return True
+        return (launched is not None and not launched.after_prefill and launched.plan.k == inflight.plan.k
+                and len(launched.rows) == len(inflight.rows))
 
     def _settle(self, inflight: _Inflight, launched: Optional[_Inflight]) -> None:
         """Tell the cache the lengths just read, so its host bounds do not drift (they decide
         how many slots attention reads, and what a rollback may still reach)."""
-        if launched is None:
-            return
-        ahead = launched.plan.k + 1
+        ahead = launched.plan.k + 1 if launched is not None else 0  # what was queued since
         at = {id(row): i for i, row in enumerate(self.rows)}
         known = [(at[id(r)], r.length) for r in inflight.rows if r.finish_reason is None and id(r) in at]
         if known:
             rows, lengths = zip(*known)
             self.cache.settle(rows, lengths, ahead, reach=K_MAX + 1)
 
-    def _deliver(self, row: _Row, tokens: list, accepted: int, k: int) -> RowEvent:
-        """Hand out a round's tokens, cut after a stop token, at the budget or the context."""
+    def _deliver(self, row: _Row, tokens: list, accepted: int, k: int, logprobs: Optional[list] = None,
+                 forced: int = 0) -> RowEvent:
+        """Hand out a round's tokens, cut after a stop token, at the budget or the context; the
+        row's grammar takes them in."""
         room = min(row.max_tokens - len(row.tokens), self.limit - row.fed - len(row.tokens))
         finish = None
         for i, tok in enumerate(tokens):
@@ -354,8 +413,19 @@ class BatchGenerator:
             stats.observe_round(k, accepted)
             stats.emitted += len(tokens)
             stats.from_draft += sum(from_draft)
+            stats.forced += min(forced, accepted, len(tokens))
         row.stats.decode_seconds = time.perf_counter() - row.began - row.stats.first_token_seconds
-        return RowEvent(row.uid, tokens, from_draft, finish, row.stats)
+        finish = row.finish_reason = finish or self._grammar_ends(row, tokens)
+        return RowEvent(row.uid, tokens, from_draft, finish, row.stats, logprobs and logprobs[: len(tokens)])
+
+    @staticmethod
+    def _grammar_ends(row: _Row, tokens: list) -> Optional[str]:
+        """"dead_end" when the row's grammar allows no token after `tokens`."""
+        grammar = row.processing.grammar
+        if grammar is None:
+            return None
+        grammar.advance(tokens)
+        return "dead_end" if grammar.dead else None
 
     # ---- prefill and joining -----------------------------------------------------------------
 
@@ -379,22 +449,36 @@ class BatchGenerator:
         self._reached(row, last + 1)
         self.pending.popleft()
         seeds = mx.array([row.seed], dtype=mx.uint32)
+        processors = Processors.build([row.processing], self.target.vocab_size, 0)
+        prompt = mx.array([row.prompt], dtype=mx.int32)
 
-        def decide():
-            logits = out.logits[:, -1]
+        def decide():  # where the logits are (under pipeline parallelism, the last rank)
+            nonlocal logits
+            logits = out.logits[:, -1:]
+            if processors is not None:  # at the prompt's last position: no drafts, the prompt as history
+                logits = processors(logits, mx.zeros((1, 0), dtype=mx.int32), prompt, mx.array([last]))
             if row.params.greedy:
-                return (mx.argmax(logits, axis=-1).astype(mx.int32),)
-            return (sample(probs(logits, row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
+                return (mx.argmax(logits[:, 0], axis=-1).astype(mx.int32),)
+            return (sample(probs(logits[:, 0], row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
 
+        logits = None
         (first,) = self.lockstep.share(decide, [(1,)])
+        if processors is not None:
+            row.first_logprobs = processors.logprobs(logits, first[:, None])
         history = None
-        if self.proposer is not None and self.proposer.needs_history:
-            history = mx.concatenate([mx.array([row.prompt], dtype=mx.int32), first[:, None]], axis=1)
+        if self._keeps_history(row):
+            history = mx.concatenate([prompt, first[:, None]], axis=1)
         self._join(row, BatchState(first, out.hidden[:, -1], seeds, history))
-        mx.async_eval(first)
+        mx.async_eval(first, *[a for a in row.first_logprobs or () if a is not None])
         row.first = first
         self._joined.append(row)
         return True
+
+    def _keeps_history(self, row: _Row) -> bool:
+        """Whether the batch keeps token histories with `row` in it: for a proposer that looks
+        tokens up, or for penalties."""
+        return ((self.proposer is not None and self.proposer.needs_history) or row.processing.penalties.counts
+                or (self.state is not None and self.state.history is not None))
 
     def _begin_prefill(self, row: _Row) -> None:
         row.began = time.perf_counter()
@@ -423,9 +507,10 @@ class BatchGenerator:
             self.rows.append(row)
             s = self.state
             history = None
-            if s.history is not None:
-                width = max(s.history.shape[1], state.history.shape[1])
-                history = mx.concatenate([_widen(s.history, width), _widen(state.history, width)])
+            if state.history is not None:  # (the joining row has one whenever the batch has)
+                mine = s.history if s.history is not None else mx.full((len(self.rows) - 1, 1), -1, dtype=mx.int32)
+                width = max(mine.shape[1], state.history.shape[1])
+                history = mx.concatenate([_widen(mine, width), _widen(state.history, width)])
             self.state = BatchState(mx.concatenate([s.tokens, state.tokens]),
                                     mx.concatenate([s.hidden, state.hidden.astype(s.hidden.dtype)]),
                                     mx.concatenate([s.seeds, state.seeds]), history)
@@ -435,17 +520,24 @@ class BatchGenerator:
         events = []
         for row in self._joined:
             first = int(row.first.item())
+            top = row.processing.logprobs
+            lp = row.first_logprobs
+            lp = row_logprobs(tuple(None if a is None else a.tolist() for a in lp), 0, 1, top) if top is not None else None
             row.stats.prompt_tokens, row.stats.cached_tokens = row.fed - row.start, row.start
             self.stats.prompt_tokens += row.fed - row.start
             self.stats.cached_tokens += row.start
             row.stats.prompt_seconds = row.stats.first_token_seconds = time.perf_counter() - row.began
             self.stats.prompt_seconds += row.stats.prompt_seconds
             if row.finish_reason is None:
-                events.append(self._deliver_first(row, first))
+                events.append(self._deliver_first(row, first, lp))
         self._joined = []
         return events
 
-    def _deliver_first(self, row: _Row, token: int) -> RowEvent:
+    def _deliver_first(self, row: _Row, token: int, logprobs: Optional[list]) -> RowEvent:
+        grammar = row.processing.grammar
+        if grammar is not None and grammar.dead:  # it allows no first token
+            row.finish_reason = "dead_end"
+            return RowEvent(row.uid, [], [], "dead_end", row.stats)
         row.tokens.append(token)
         row.stats.emitted += 1
         self.stats.emitted += 1
@@ -453,7 +545,9 @@ class BatchGenerator:
             row.finish_reason = "stop"
         elif row.max_tokens <= 1 or row.fed + 1 >= self.limit:
             row.finish_reason = "length"
-        return RowEvent(row.uid, [token], [False], row.finish_reason, row.stats)
+        else:
+            row.finish_reason = self._grammar_ends(row, [token])
+        return RowEvent(row.uid, [token], [False], row.finish_reason, row.stats, logprobs)
 
     # ---- leaving -----------------------------------------------------------------------------
 
@@ -472,8 +566,10 @@ class BatchGenerator:
         self.cache.select(keep)
         index = mx.array(keep, dtype=mx.int32)
         s = self.state
+        needed = (self.proposer is not None and self.proposer.needs_history) or any(
+            r.processing.penalties.counts for r in self.rows)
         self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index],
-                                None if s.history is None else s.history[index])
+                                s.history[index] if s.history is not None and needed else None)
 
     def _leave(self, row: _Row, cache: KVCache) -> None:
         """Leave the state the row reached in the prefix cache (for its owner: in place of the

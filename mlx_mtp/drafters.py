@@ -32,14 +32,25 @@ class MTPProposer:
         step = self.drafter.step(shared, position[:, None])  # masks and RoPE: once per block
         tokens, hidden = state.tokens, state.hidden
         drafted, qs = [], []
+        processors = plan.processors  # bias and penalties apply to drafts as to the target; forced tokens lead
         key = None if plan.greedy else params_key(plan.params)
         for i in range(k):
             out = self.drafter.draft_step(self.target.embed(tokens[:, None])[:, 0], hidden, shared, position, step)
+            logits = None
+            if processors is not None:
+                logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,
+                                                 position)
             if plan.greedy:
-                tokens = out.argmax().astype(mx.int32)
+                tokens = (out.argmax() if logits is None else mx.argmax(logits, axis=-1)).astype(mx.int32)
             else:
-                tokens, q = _draw(out.logits, out.token_ids, state.seeds, position, i, self.target.vocab_size, key)
+                if logits is None:
+                    tokens, q = _draw(out.logits, out.token_ids, state.seeds, position, i, self.target.vocab_size, key)
+                else:  # processed: sampled from q as `_draw` does
+                    q = batch_probs(logits, plan.params)
+                    tokens = sample(q, uniform(state.seeds, position + 1 + i, DRAFT))
                 qs.append(q)
+            if processors is not None:
+                tokens = processors.forced_at(i, tokens)
             drafted.append(tokens)
             hidden = out.hidden
         return Drafts(mx.stack(drafted, axis=1), mx.stack(qs, axis=1) if qs else None)

@@ -34,8 +34,10 @@ from .batch import BatchGenerator
 from .cache import FULL, SLIDING
 from .chat_format import Delta, OutputParser, Reply
 from .conversation import Conversation, Turn
-from .generate import Detokenizer, encode
+from .generate import Detokenizer, encode, token_piece
+from .grammar import Grammar, vocabulary
 from .prefix_cache import PrefixCache, token_bytes
+from .processors import MAX_LOGPROBS, NONE, Penalties
 from .sample import SamplingParams
 from .speculative import MAX_ROLLBACK, check_draft_tokens
 from .stats import Stats
@@ -63,6 +65,11 @@ class Request:
     `chat_template_kwargs` (more template variables) and `continue_final_message` (the last,
     assistant, message is continued rather than answered). Tool calls are parsed only when
     `tools` are given.
+
+    `penalties` (presence, frequency, repetition, logit bias) and `grammar` (what the reply must
+    match: a JSON schema, a regex, a grammar, tool calls; after the reasoning, when thinking is on)
+    process the logits, exactly under speculative decoding; `logprobs` (0..20 alternatives)
+    reports each token's log-probability (see `processors`).
     """
 
     prompt: Union[str, Sequence[int], None] = None
@@ -77,6 +84,9 @@ class Request:
     enable_thinking: bool = False
     chat_template_kwargs: Optional[Mapping] = None
     continue_final_message: bool = False
+    penalties: Penalties = NONE
+    grammar: Optional[Grammar] = None
+    logprobs: Optional[int] = None
 
     def check(self) -> None:
         if self.conversation is not None:
@@ -92,6 +102,22 @@ class Request:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.draft_tokens != "auto":
             check_draft_tokens(self.draft_tokens)
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        if not isinstance(self.penalties, Penalties) or not isinstance(self.grammar, (Grammar, type(None))):
+            raise ValueError("`penalties` must be a Penalties and `grammar` a Grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the processed distribution it was drawn from (see
+    `processors`): its text and bytes, and the most likely tokens there (most likely first)."""
+
+    token: int
+    text: str
+    bytes: bytes
+    logprob: float
+    top: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +130,7 @@ class TokenEvent:
     token: int
     from_draft: bool
     parts: tuple = ()
+    logprob: Optional[TokenLogprob] = None  # when the request asked for log-probabilities
     kind: ClassVar[str] = "token"
 
     @property
@@ -117,7 +144,8 @@ class TokenEvent:
 
 @dataclasses.dataclass(frozen=True)
 class DoneEvent:
-    """The last event of a request that ran (or was cancelled): "stop", "length" or "cancelled".
+    """The last event of a request that ran (or was cancelled): "stop", "length", "cancelled", or
+    "dead_end" (its grammar allows no token next).
     `tokens` and the reply (`text`, `reasoning`, `tool_calls`) are everything streamed, which is
     also what a conversation kept."""
 
@@ -157,7 +185,8 @@ class RequestHandle:
         self._state = "queued"  # -> "running" -> "finished"
         self._cancel = threading.Event()
         self._seen_last = False
-        self._prepared: Optional[tuple] = None  # a one-shot request's (prompt tokens, turn ends, output parser)
+        self._prepared: Optional[tuple] = None  # a one-shot request's prompt, turn ends, output parser, reasoning
+        self._grammar = None  # the request's grammar state (`grammar.Matcher`)
         self.prompt_tokens: Optional[int] = None  # the prompt's length, once the request started
         self.cached_tokens: Optional[int] = None  # of which restored from the prefix cache, by its first token
 
@@ -229,14 +258,16 @@ class _Running:
     tokens: list = dataclasses.field(default_factory=list)
     kv_bytes: int = 0
 
-    def token_event(self, text: str, token: int, from_draft: bool, last: bool) -> TokenEvent:
+    def token_event(self, text: str, token: int, from_draft: bool, last: bool,
+                    logprob: Optional[TokenLogprob] = None) -> TokenEvent:
         if self.parser is None:
             parts = [Delta("content", text)] if text else []
         else:
             parts = self.parser.feed(text) + (self.parser.finish() if last else [])
         self.reply.add(parts)
         self.tokens.append(token)
-        return TokenEvent("".join(p.text for p in parts if p.kind == "content"), token, from_draft, tuple(parts))
+        return TokenEvent("".join(p.text for p in parts if p.kind == "content"), token, from_draft, tuple(parts),
+                          logprob)
 
     def done(self, finish_reason: str, stats: Stats) -> DoneEvent:
         r = self.reply
@@ -299,6 +330,7 @@ class Engine:
         self._waiting: collections.deque = collections.deque()  # worker side
         self._running: dict[int, _Running] = {}  # row uid -> request (worker side)
         self._metrics = {"requests_total": 0, "requests_waiting": 0, "requests_running": 0}
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token -> its text and bytes (worker side)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlx_mtp-engine", daemon=True)
         self._thread.start()
@@ -317,6 +349,7 @@ class Engine:
         """
         request.check()
         prepared = self._prompt(request) if request.conversation is None else None
+        grammar = self._matcher(request, prepared[3] if prepared else None)
         with self._lock:
             self._check_open()
             if request.conversation is not None:
@@ -324,7 +357,7 @@ class Engine:
             if self.max_queue is not None and self._metrics["requests_waiting"] >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
-            handle._prepared = prepared
+            handle._prepared, handle._grammar = prepared, grammar
             self._live.add(handle)
             self._metrics["requests_waiting"] += 1
             self._metrics["requests_total"] += 1
@@ -495,7 +528,7 @@ class Engine:
                 turn = conversation.prepare(request.prompt, request.max_tokens)
                 prompt, boundaries, max_tokens = turn.prompt, turn.boundaries, turn.max_tokens
             else:
-                prompt, boundaries, parser = handle._prepared
+                prompt, boundaries, parser, _ = handle._prepared
                 max_tokens = request.max_tokens
             need = self._need(len(prompt) + max_tokens)
             if need > self.memory_limit:
@@ -506,7 +539,8 @@ class Engine:
                     conversation.end(turn, [])
                 return False
             options = dict(sampling=request.sampling, seed=request.seed, mtp=request.mtp,
-                           draft_tokens=request.draft_tokens)
+                           draft_tokens=request.draft_tokens, penalties=request.penalties, grammar=handle._grammar,
+                           logprobs=request.logprobs)
             if turn is not None:
                 uid = conversation.insert(self._gen, turn, **options)
             else:
@@ -531,12 +565,13 @@ class Engine:
             self._gen.trim_prefix_cache(max(self.memory_limit - rows, 0))
         return not self._running or rows + self._prefix.nbytes <= self.memory_limit
 
-    def _prompt(self, request: Request) -> tuple[list[int], list[int], Optional[OutputParser]]:
-        """The request's prompt tokens, where its turns end (for the prefix cache), and the parser
-        of its output (None for a raw prompt)."""
+    def _prompt(self, request: Request) -> tuple[list[int], list[int], Optional[OutputParser], Optional[bool]]:
+        """The request's prompt tokens, where its turns end (for the prefix cache), the parser
+        of its output (None for a raw prompt), and where reasoning may come first: True when the
+        prompt left a reasoning channel open, False when thinking is on, None when neither."""
         if request.messages is None:
             prompt = encode(self.loaded, request.prompt)
-            return prompt, chat_format.turn_ends(prompt, self.loaded.eos_ids), None
+            return prompt, chat_format.turn_ends(prompt, self.loaded.eos_ids), None, None
         if self.loaded.tokenizer is None:
             raise ValueError("`messages` need a tokenizer: the model directory has none")
         rendered = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
@@ -544,7 +579,22 @@ class Engine:
                                       continue_final_message=request.continue_final_message,
                                       template_kwargs=request.chat_template_kwargs)
         boundaries = chat_format.turn_ends(rendered.tokens, self.loaded.eos_ids)
-        return rendered.tokens, boundaries, rendered.parser(tools=bool(request.tools))
+        reasoning = True if rendered.open is not None else (False if request.enable_thinking else None)
+        return rendered.tokens, boundaries, rendered.parser(tools=bool(request.tools)), reasoning
+
+    def _matcher(self, request: Request, reasoning: Optional[bool]):
+        """The request's grammar state, its grammar after the reasoning where the reply may
+        reason first (see `_prompt`); made on the caller's thread: a large schema takes a while."""
+        if request.grammar is None:
+            return None
+        if request.conversation is not None:
+            with self._lock:
+                reasoning = False if self._conversation(request.conversation).enable_thinking else None
+        vocab = vocabulary(self.loaded)
+        grammar = request.grammar
+        if reasoning is not None and vocab.reasoning:
+            grammar = grammar.after_reasoning(reasoning)
+        return vocab.matcher(grammar)
 
     def _need(self, tokens: int) -> int:
         return (tokens + MAX_ROLLBACK) * self._token_bytes + self._ring_bytes
@@ -578,12 +628,26 @@ class Engine:
             if run.handle.cached_tokens is None and event.stats is not None:
                 run.handle.cached_tokens = event.stats.cached_tokens  # known before its first token goes out
             for e in run.detok.events(event):
-                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, bool(e.finish_reason)))
+                logprob = self._logprob(e.token, e.logprob)
+                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, bool(e.finish_reason), logprob))
             if event.finish_reason:
                 done = run.done(event.finish_reason, dataclasses.replace(event.stats))
                 self._gen.remove(event.uid)
                 self._end(event.uid, run, done)
         self._update_counts()
+
+    def _logprob(self, token: int, entry: Optional[tuple]) -> Optional[TokenLogprob]:
+        if entry is None:
+            return None
+        logprob, top = entry
+        return TokenLogprob(token, *self._piece(token), logprob,
+                            tuple(TokenLogprob(t, *self._piece(t), value) for t, value in top))
+
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        if token not in self._pieces:
+            tokenizer = self.loaded.tokenizer
+            self._pieces[token] = token_piece(tokenizer, token) if tokenizer is not None else ("", b"")
+        return self._pieces[token]
 
     def _end(self, uid: int, run: _Running, event: Event) -> None:
         del self._running[uid]

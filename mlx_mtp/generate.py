@@ -24,6 +24,7 @@ class Event:
     from_draft: bool
     finish_reason: Optional[str]  # None while streaming, then "stop" or "length"
     stats: Stats
+    logprob: Optional[tuple] = None  # (logprob, ((token, logprob), ...)) when asked for
 
 
 @dataclasses.dataclass
@@ -111,7 +112,8 @@ class Detokenizer:
 
     def events(self, event: RowEvent) -> list[Event]:
         out = []
-        for i, (token, from_draft) in enumerate(zip(event.tokens, event.from_draft)):
+        logprobs = event.logprobs or [None] * len(event.tokens)
+        for i, (token, from_draft, logprob) in enumerate(zip(event.tokens, event.from_draft, logprobs)):
             finish = event.finish_reason if i == len(event.tokens) - 1 else None
             text = ""
             if self.detok is not None:
@@ -120,8 +122,22 @@ class Detokenizer:
                 if finish:
                     self.detok.finalize()
                 text = self.detok.last_segment
-            out.append(Event(text, token, from_draft, finish, event.stats))
+            out.append(Event(text, token, from_draft, finish, event.stats, logprob))
         return out
+
+
+def token_piece(tokenizer, token: int) -> tuple[str, bytes]:
+    """What one token spells: its text and its bytes (a byte-fallback token `<0xNN>` is that
+    one byte, which may be part of a character)."""
+    name = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(name, str) and len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
+        try:
+            raw = bytes([int(name[3:5], 16)])
+            return raw.decode("utf-8", "replace"), raw
+        except ValueError:
+            pass
+    text = tokenizer.decode([token])
+    return text, text.encode()
 
 
 def text_events(loaded, events: Iterator[RowEvent]) -> Iterator[Event]:

@@ -5,7 +5,9 @@ accepted counts, next tokens, hidden states and cache lengths stay on the device
 builds and queues round n+1 before it reads round n's tokens. A round whose rows all draft
 nothing is a plain decoding step; rows may count fewer drafts than the round makes (`limits`),
 which is how rows with MTP off, or with a smaller draft length, share one verify forward.
-The cache holds every token of a row but the last one emitted.
+The cache holds every token of a row but the last one emitted. Logits processors (grammars,
+penalties, bias: `Plan.processors`) process the logits at every verified position, and the
+drafts lead with the tokens a grammar forces.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import collections
 import dataclasses
 import threading
 import weakref
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +49,7 @@ class Plan:
 
     params: tuple  # SamplingParams of each row
     limits: tuple  # drafts that count for each row (0: a plain step for that row)
+    processors: Optional[Any] = None  # the rows' logits processors (`processors.Processors`), if any
 
     @property
     def k(self) -> int:
@@ -71,6 +74,7 @@ class RoundOutput:
     tokens: mx.array  # (B, K+1) accepted drafts, then the target's token, then -1
     accepted: mx.array  # (B,) drafts accepted
     drafted: mx.array  # (B,) drafts that counted
+    logprobs: Optional[tuple] = None  # of the emitted tokens, when a row asked (`Processors.logprobs`)
 
 
 @runtime_checkable
@@ -82,10 +86,27 @@ class Proposer(Protocol):
     def propose(self, state: BatchState, cache: KVCache, k: int, plan: Plan) -> Drafts: ...
 
 
-def draft(proposer: Proposer, state: BatchState, cache: KVCache, plan: Plan) -> Drafts:
+def draft(proposer: Optional[Proposer], state: BatchState, cache: KVCache, plan: Plan) -> Drafts:
+    B = state.tokens.shape[0]
     if plan.k == 0:
-        return Drafts(mx.zeros((state.tokens.shape[0], 0), dtype=mx.int32))
-    return proposer.propose(state, cache, plan.k, plan)
+        return Drafts(mx.zeros((B, 0), dtype=mx.int32))
+    steps = plan.k if plan.processors is None else plan.processors.drafter_steps()
+    if proposer is None or steps == 0:  # nothing drafts but a grammar's forced tokens
+        drafts = Drafts(mx.zeros((B, plan.k), dtype=mx.int32), None, mx.zeros((B,), dtype=mx.int32))
+    else:
+        drafts = pad(proposer.propose(state, cache, steps, plan), plan.k)
+    return drafts if plan.processors is None else plan.processors.force(drafts)
+
+
+def pad(drafts: Drafts, k: int) -> Drafts:
+    """Drafts made up to k (forced tokens take the positions past what the proposer drafted)."""
+    B, made = drafts.tokens.shape
+    if made == k:
+        return drafts
+    tokens = mx.concatenate([drafts.tokens, mx.zeros((B, k - made), dtype=mx.int32)], axis=1)
+    q = drafts.q if drafts.q is None else mx.pad(drafts.q, [(0, 0), (0, k - made), (0, 0)])
+    limit = mx.full((B,), made, dtype=mx.int32) if drafts.limit is None else mx.minimum(drafts.limit, made)
+    return Drafts(tokens, q, limit)
 
 
 def verify(target: TargetModel, cache: KVCache, state: BatchState, drafts: Drafts) -> TargetOutput:
@@ -163,14 +184,22 @@ def run_round(target: TargetModel, proposer: Optional[Proposer], cache: KVCache,
     if queue is not None and plan.k:
         queue(drafts.tokens)
     out = verify(target, cache, state, drafts)
+    processors = plan.processors
 
     def decide():
+        nonlocal out
         limit = counted(drafts, plan)
+        if processors is not None:
+            out = out._replace(logits=processors(out.logits, drafts.tokens, state.history, base))
+            limit = processors.counted(limit)
         return (drafts.tokens, *accept(drafts, out, plan, limit, state.seeds, base), limit)
 
     B, k = drafts.tokens.shape
     tokens, n, nxt, limit = share(decide, [(B, k), (B,), (B,), (B,)])
-    return advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, limit, base, state)
+    state, result = advance(cache, out, dataclasses.replace(drafts, tokens=tokens), n, nxt, limit, base, state)
+    if processors is not None:
+        result.logprobs = processors.logprobs(out.logits, result.tokens)
+    return state, result
 
 
 class Acceptance:
@@ -362,16 +391,19 @@ class DraftPolicy:
                     members[b].acceptance.observe(d, n)
 
 
-_POLICIES: dict[int, DraftPolicy] = {}  # id(drafter) -> its policy, dropped with the drafter
+_POLICIES: dict[tuple, DraftPolicy] = {}  # (id(drafter), constrained) -> its policy, dropped with the drafter
 
 
-def policy_for(drafter, k: Union[int, str]) -> DraftPolicy:
+def policy_for(drafter, k: Union[int, str], constrained: bool = False) -> DraftPolicy:
     """The draft-length policy of a drafter: "auto" policies persist with the drafter object, so
-    what one generation measured (round costs, acceptance) serves the next. (Keyed by id: an
-    MLX module is a dict, so it cannot be a dictionary key itself.)"""
+    what one generation measured (round costs, acceptance) serves the next. Rounds with a grammar
+    (`constrained`) have a policy of their own: they are read as soon as queued, forced tokens
+    lead their drafts and the drafter's are judged against masked targets, so neither their cost
+    nor their acceptance is an unconstrained round's. (Keyed by id: an MLX module is a dict, so
+    it cannot be a dictionary key itself.)"""
     if drafter is None or k != "auto":
         return DraftPolicy(k if drafter is not None else 0)
-    key = id(drafter)
+    key = (id(drafter), constrained)
     if key not in _POLICIES:
         try:
             weakref.finalize(drafter, _POLICIES.pop, key, None)

@@ -15,6 +15,7 @@ class Stats:
     decode_seconds: float = 0.0
     emitted: int = 0  # tokens given to the caller
     from_draft: int = 0  # of which were drafted and accepted
+    forced: int = 0  # of which a grammar forced (drafted without the drafter)
     rounds: int = 0  # verify forwards that carried at least one draft
     plain_steps: int = 0  # target forwards with no draft
     drafted: int = 0

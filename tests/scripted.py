@@ -159,6 +159,7 @@ TOOLS = [_function("get_weather", "The weather in a city now", city="string", un
          _function("get_time", "The time in a time zone", zone="string")]
 WEATHER = ('{"temperature": 15, "sky": "clear"}', "It is 15 degrees and clear in Paris.")  # tool result, answer
 TWO = [("Oslo", "Oslo: light rain"), ("Rome", "Rome: sunny and 24")]
+OSLO = '{"city": "Oslo", "sky": "rain", "temperature": 7}'
 STORY = ("Once upon a time a small robot named Bolt lived in a lighthouse. Every night Bolt polished the lamp, "
          "and every morning the fishermen waved. The end.")
 
@@ -195,6 +196,8 @@ SCRIPT = [
     (ask("What time is it in UTC, please?"), '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<|tool_response>'),
     # a long plain answer (past the sliding window, stop strings and max_tokens cut it)
     (ask("Tell me a short story about a robot."), STORY + "<turn|>"),
+    # JSON as a schema asks for it (structured output)
+    (ask("Describe the weather in Oslo as JSON."), OSLO + "<turn|>"),
 ]
 
 
@@ -226,11 +229,11 @@ def serve_scripted(tmp: Path, *server_args: str):
     return running()
 
 
-def run_readme_example(url: str, marker: str) -> str:
-    """Run the README's "Agents" Python block that contains `marker`, as written but for the
+def run_readme_example(url: str, marker: str, heading: str = "## Agents") -> str:
+    """Run the README's Python block under `heading` that contains `marker`, as written but for the
     server's address, model name and key, in a fresh process against the scripted server at `url`;
     returns what it printed."""
-    section = README.read_text().split("## Agents", 1)[1].split("\n## ", 1)[0]
+    section = README.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
     code = next(block for block in re.findall(r"```python\n(.*?)```", section, re.S) if marker in block)
     assert "127.0.0.1:8000" in code and '"mlx-mtp-demo"' in code and 'api_key="none"' in code
     code = (code.replace(":8000", ":" + url.rsplit(":", 1)[1]).replace('"mlx-mtp-demo"', '"gemma4-scripted"')

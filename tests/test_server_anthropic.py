@@ -176,8 +176,9 @@ def test_bearer_and_x_api_key_both_authenticate(scripted_server):
 @pytest.mark.parametrize("change, status, kind, match", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
     ({"model": "claude-opus-4"}, 404, "not_found_error", "does not exist"),
-    ({"tool_choice": {"type": "any"}}, 400, "invalid_request_error", "constrained decoding"),
-    ({"tool_choice": {"type": "tool", "name": "get_weather"}}, 400, "invalid_request_error", "constrained"),
+    ({"tool_choice": {"type": "any"}, "tools": None}, 400, "invalid_request_error", "needs `tools`"),
+    ({"tool_choice": {"type": "tool"}}, 400, "invalid_request_error", "`name`"),
+    ({"output_config": {"format": {"type": "xml"}}}, 400, "invalid_request_error", "json_schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error",
      "image blocks are not supported"),
     ({"messages": [{"role": "bot", "content": "x"}]}, 400, "invalid_request_error", "role"),

@@ -116,8 +116,8 @@ def test_stop_strings_and_length_with_parsing(client):
 
 
 @pytest.mark.parametrize("extra, param, match", [
-    ({"tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "constrained"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice", "needs `tools`"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice", "names a function"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools\\[0\\]"),
     ({"tools": {"get_weather": {}}}, "tools", "list"),

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-mixed,realsize} [options]`
+structured,mixed,realsize} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -24,6 +24,7 @@ MODES = {
     "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
     "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
     "mixed": ("mixed", "run_mixed"),
+    "structured": ("structured", "run_structured"),
     "realsize": ("realsize", "run_realsize"),
 }
 
@@ -191,6 +192,18 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--tokens", type=int, default=64, help="tokens per code row")
     x.add_argument("--prose-tokens", type=int, help="tokens per prose row (default: twice --tokens)")
     x.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
+
+    j = sub.add_parser("structured", help="JSON-schema requests: validity, MTP on/off tok/s, forced tokens per "
+                                          "forward, grammar host time per round (issue 19)")
+    common(j, "structured")
+    j.add_argument("--pair", default="demo", help="demo | tiny-dense | tiny-moe")
+    j.add_argument("--requests", type=int, default=200, help="requests whose replies are validated")
+    j.add_argument("--batch", type=int, default=8, help="rows at a time in the validity run")
+    j.add_argument("--speed-requests", type=int, default=20, help="requests of the B=1 speed runs")
+    j.add_argument("--max-tokens", type=int, default=192)
+    j.add_argument("--temperature", type=float, default=0.0)
+    j.add_argument("--dtype", default="float32", choices=("stored", "float32"))
+    j.set_defaults(repeats=3)
 
     r = sub.add_parser("realsize", help="a released shape with random weights through the product: load, memory, "
                                         "prefill, decode at B rows, MTP (oracle) vs plain, long-context K/V")

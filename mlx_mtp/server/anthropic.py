@@ -4,7 +4,8 @@ request bodies in, engine requests and message objects or stream events out.
 Plain Python with no MLX and no HTTP. It maps Anthropic's shapes onto `chat_format`'s: `system`
 (a string or text blocks, plus `role: "system"` entries of `messages`, which Claude Code sends),
 content blocks `text` / `tool_use` / `tool_result` / `thinking`, `tools` with `input_schema`,
-`tool_choice`, `thinking`; and the reply back into `thinking`, `text` and `tool_use` blocks.
+`tool_choice` (`any` and `tool` force a call), `thinking`, `output_config.format` (a JSON schema the
+reply must match); and the reply back into `thinking`, `text` and `tool_use` blocks.
 Fields it has no use for (`metadata`, `cache_control`, server tools, ...) are ignored, as
 Claude Code sends many. Claude Code's `x-anthropic-billing-header` system line carries a
 `cch=` value that changes every request; it is normalised so the prompt's prefix stays stable.
@@ -21,8 +22,9 @@ from typing import Any, AsyncIterator, Optional
 from .. import chat_format
 from ..chat_format import Delta
 from ..engine import Request
-from .common import (APIError, Outcome, ServedModel, check_model, checked, constrained, draft_tokens, flag, integer,
-                     invalid, mapping, sampling, strings, unsupported)
+from ..grammar import Grammar
+from .common import (APIError, Outcome, ServedModel, check_model, checked, draft_tokens, flag, forced_calls, integer,
+                     invalid, json_grammar, mapping, sampling, strings, structured, unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -60,13 +62,14 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
     if max_tokens is None and not count:
         raise invalid("max_tokens", "`max_tokens` is required")
     messages = _messages(body)
-    tools, parallel = _tools(body)
+    tools, parallel, forced = _tools(body)
     last = messages[-1]
     request = Request(
         messages=messages, tools=tools, enable_thinking=_thinking(body, model.thinking),
         continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
         max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, temperature_high=1.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
+        grammar=structured(body, _output_format(body), forced),
     )
     return Job(request, strings(body, "stop_sequences"), flag(body, "stream", False), model.id,
                f"msg_{uuid.uuid4().hex[:24]}", parallel)
@@ -162,14 +165,13 @@ def _text(content: Any, where: str, billing: bool = False) -> str:
     return "\n\n".join(t for t in texts if t) if billing else "".join(texts)
 
 
-def _tools(body: dict) -> tuple[Optional[list], bool]:
-    """(the tools as JSON schemas, parallel calls allowed). Server tools (web search and the
-    like, which have no `input_schema`) are not ours to run: dropped."""
+def _tools(body: dict) -> tuple[Optional[list], bool, Optional[Grammar]]:
+    """(the tools as JSON schemas, parallel calls allowed, the grammar of a forced call: `any`
+    tool, or the `tool` named). Server tools (web search and the like, which have no
+    `input_schema`) are not ours to run: dropped."""
     choice = mapping(body, "tool_choice")
     kind = choice.get("type", "auto")
-    if kind in ("any", "tool"):
-        raise constrained("tool_choice", f'"{kind}"')
-    if kind not in ("auto", "none"):
+    if kind not in ("auto", "none", "any", "tool"):
         raise invalid("tool_choice", '`tool_choice.type` must be "auto", "any", "tool" or "none"')
     tools = body.get("tools") or []
     if not isinstance(tools, list):
@@ -183,7 +185,23 @@ def _tools(body: dict) -> tuple[Optional[list], bool]:
         schemas.append({"type": "function", "function": function})
     checked("tools", chat_format.check_tools, schemas)
     parallel = not flag(choice, "disable_parallel_tool_use", False)
-    return (schemas if schemas and kind != "none" else None), parallel
+    schemas = schemas if schemas and kind != "none" else None
+    if kind not in ("any", "tool"):
+        return schemas, parallel, None
+    name = choice.get("name") if kind == "tool" else None
+    if kind == "tool" and not isinstance(name, str):
+        raise invalid("tool_choice", '`tool_choice` of type "tool" needs the tool\'s `name`')
+    return schemas, parallel, forced_calls(schemas, name, parallel)
+
+
+def _output_format(body: dict) -> Optional[Grammar]:
+    """`output_config.format`: `{"type": "json_schema", "schema": {...}}`, the reply's JSON."""
+    fmt = mapping(mapping(body, "output_config"), "format")
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise invalid("output_config.format", '`output_config.format.type` must be "json_schema"')
+    return json_grammar(fmt.get("schema"), "output_config.format.schema")
 
 
 def _thinking(body: dict, default: bool) -> bool:
@@ -202,8 +220,8 @@ def _thinking(body: dict, default: bool) -> bool:
 def stop_reason(outcome: Outcome) -> str:
     if outcome.stop_sequence is not None:
         return "stop_sequence"
-    if outcome.finish_reason == "length":
-        return "max_tokens"
+    if outcome.finish_reason in ("length", "dead_end"):  # dead_end: the output constraint allows nothing more
+        return "max_tokens" if outcome.finish_reason == "length" else "dead_end"
     return "tool_use" if outcome.tool_calls else "end_turn"
 
 

@@ -203,7 +203,8 @@ async def run(request: HTTPRequest, job, answer, stream) -> Response:
         first = await events.peek()
         if first.kind == "error":
             raise engine_error(first.error, job)
-        outcome = Outcome(prompt_tokens=handle.prompt_tokens or 0, cached_tokens=handle.cached_tokens or 0)
+        outcome = Outcome(prompt_tokens=handle.prompt_tokens or 0, cached_tokens=handle.cached_tokens or 0,
+                          logprobs=[] if job.request.logprobs is not None else None)
         if job.stream:
             handed_over = True
             frames = _streamed(stream(job, pieces(job, events, outcome), outcome), events, watcher)
@@ -280,6 +281,8 @@ async def pieces(job, events: EventStream, outcome: Outcome) -> AsyncIterator[De
         event = await events.next()
         if event.kind == "token":
             outcome.completion_tokens += 1
+            if outcome.logprobs is not None and event.logprob is not None:
+                outcome.logprobs.append(event.logprob)
             for part in _cut(event.parts, matcher):
                 if part.kind == "tool_call":
                     if outcome.tool_calls and not job.parallel_tool_calls:

@@ -1,11 +1,13 @@
 """What the wire formats share: the error that becomes an HTTP error, the served model, checks of
-request fields, stop strings, and how a request ended. Plain Python, no MLX and no HTTP."""
+request fields (structured output among them), stop strings, and how a request ended. Plain
+Python, no MLX and no HTTP."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from ..grammar import Grammar
 from ..sample import SamplingParams
 from ..stats import Stats
 
@@ -51,10 +53,45 @@ def check_model(name: Any, model: ServedModel) -> None:
                        param="model", code="model_not_found")
 
 
-def constrained(param: str, choice: str) -> APIError:
-    """`tool_choice` that forces a call (`choice`, as the API names it): refused until there is a grammar."""
-    return unsupported(param, f"tool_choice {choice} needs constrained decoding, which this server does not "
-                              'have yet: let the model choose ("auto") or give it no tools ("none")')
+def forced_calls(tools: Optional[list], name: Optional[str], parallel: bool) -> Grammar:
+    """The grammar of a reply that must call a tool (`name`, or any of `tools`)."""
+    if not tools:
+        raise invalid("tool_choice", "a tool_choice that forces a call needs `tools`")
+    try:
+        return Grammar.tool_calls(tools, name, parallel)
+    except ValueError as e:
+        raise invalid("tool_choice", str(e)) from None
+
+
+def structured(body: dict, grammar: Optional[Grammar], forced: Optional[Grammar]) -> Optional[Grammar]:
+    """The reply's grammar: the API's own field (`grammar`), a forced tool call (`forced`), or
+    the `structured_outputs` extension (one of `json`, `json_object`, `regex`, `grammar` (Lark or
+    GBNF), `choice`, as vLLM names them); at most one of them."""
+    extension = mapping(body, "structured_outputs")
+    kinds = {"json": Grammar.json, "json_object": lambda on: Grammar.json() if on else None,
+             "regex": Grammar.regex, "grammar": Grammar.cfg, "choice": Grammar.choice}
+    unknown = sorted(set(extension) - set(kinds))
+    if unknown or len(extension) > 1:
+        raise invalid("structured_outputs", "`structured_outputs` takes one of " + ", ".join(kinds))
+    found = [g for g in (grammar, forced) if g is not None]
+    for kind, value in extension.items():
+        try:
+            found += [g for g in [kinds[kind](value)] if g is not None]
+        except (ValueError, TypeError) as e:
+            raise invalid(f"structured_outputs.{kind}", str(e)) from None
+    if len(found) > 1:
+        raise invalid(None, "a request takes one output constraint: a response format, a forced tool call or "
+                            "`structured_outputs`")
+    return found[0] if found else None
+
+
+def json_grammar(schema: Any, param: str) -> Grammar:
+    if not isinstance(schema, dict):
+        raise invalid(param, f"`{param}` must be a JSON schema (an object)")
+    try:
+        return Grammar.json(schema)
+    except ValueError as e:
+        raise invalid(param, str(e)) from None
 
 
 @dataclasses.dataclass
@@ -68,6 +105,15 @@ class Outcome:
     cached_tokens: int = 0  # of the prompt tokens, those restored from the prefix cache
     completion_tokens: int = 0  # the tokens behind what was sent (the one completing a stop string included)
     stats: Optional[Stats] = None
+    logprobs: Optional[list] = None  # `engine.TokenLogprob` of each token read, when the request asked
+    logprobs_sent: int = 0
+
+    def new_logprobs(self) -> Optional[list]:
+        """The log-probabilities read since the last call (None when the request asked for none)."""
+        if self.logprobs is None:
+            return None
+        new, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return new
 
 
 # ---- request fields ------------------------------------------------------------------------------
@@ -113,12 +159,14 @@ def flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def integer(body: dict, name: str, low: Optional[int] = None) -> Optional[int]:
+def integer(body: dict, name: str, low: Optional[int] = None, high: Optional[int] = None) -> Optional[int]:
     value = body.get(name)
     if value is not None and type(value) is not int:
         raise invalid(name, f"`{name}` must be an integer")
     if value is not None and low is not None and value < low:
         raise invalid(name, f"`{name}` must be >= {low}, got {value}")
+    if value is not None and high is not None and value > high:
+        raise invalid(name, f"`{name}` must be <= {high}, got {value}")
     return value
 
 

@@ -4,7 +4,9 @@ Plain Python with no MLX and no HTTP, so every rule here reads (and tests) on it
 chat means (templates, tool calls, reasoning) is `chat_format`'s; this module maps OpenAI's
 shapes onto it: `tools` / `tool_choice` / `parallel_tool_calls`, histories with assistant
 `tool_calls` (JSON-string arguments) and `role: "tool"` results, `chat_template_kwargs`, and
-answers with `reasoning_content` and `tool_calls` (llama.cpp's and vLLM's field names).
+answers with `reasoning_content` and `tool_calls` (llama.cpp's and vLLM's field names). Output
+constraints (`response_format`, a forced `tool_choice`, vLLM's `structured_outputs`), penalties,
+`logit_bias` and `logprobs` become the engine request's grammar, penalties and logprobs.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import chat_format
 from ..chat_format import Delta, Reply, ToolCall
-from ..engine import Request
+from ..engine import Request, TokenLogprob
+from ..grammar import Grammar
+from ..processors import MAX_LOGPROBS, Penalties
 from ..stats import Stats
-from .common import (APIError, Outcome, ServedModel, StopMatcher, check_model, checked, constrained, draft_tokens,
-                     flag, integer, invalid, mapping, sampling, strings, unsupported)
+from .common import (APIError, Outcome, ServedModel, StopMatcher, check_model, checked, draft_tokens, flag,
+                     forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings, structured,
+                     unsupported)
 
 __all__ = ["APIError", "Job", "ServedModel", "StopMatcher", "check_model", "invalid", "parse_chat",
            "parse_completion", "response", "stream"]
@@ -28,8 +33,7 @@ __all__ = ["APIError", "Job", "ServedModel", "StopMatcher", "check_model", "inva
 # OpenAI's newer "developer" role is the system message of older models.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Fields whose meaning we cannot honour: refused unless left at their default, never silently ignored.
-UNSUPPORTED = ("n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "functions", "function_call", "response_format")
+UNSUPPORTED = ("n", "best_of", "echo", "suffix", "functions", "function_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +66,8 @@ def parse_chat(body: Any, model: ServedModel) -> Job:
     thinking = options.pop("enable_thinking", model.thinking)
     if not isinstance(thinking, bool):
         raise invalid("chat_template_kwargs", "`chat_template_kwargs.enable_thinking` must be true or false")
-    return _job(body, "chat.completion", model, messages=_messages(body.get("messages")), tools=_tools(body),
+    tools, forced = _tools(body)
+    return _job(body, "chat.completion", model, forced, messages=_messages(body.get("messages")), tools=tools,
                 enable_thinking=thinking, chat_template_kwargs=options or None)
 
 
@@ -72,7 +77,7 @@ def parse_completion(body: Any, model: ServedModel) -> Job:
     return _job(body, "text_completion", model, prompt=_prompt(body.get("prompt"), model.vocab_size))
 
 
-def _job(body: dict, kind: str, model: ServedModel, **prompt) -> Job:
+def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = None, **prompt) -> Job:
     check_model(body.get("model"), model)
     for name in UNSUPPORTED:
         if not _is_default(name, body.get(name)):
@@ -86,6 +91,8 @@ def _job(body: dict, kind: str, model: ServedModel, **prompt) -> Job:
     request = Request(
         **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
+        penalties=_penalties(body, model.vocab_size), grammar=structured(body, _response_format(body), forced),
+        logprobs=_logprobs(body, kind),
     )
     prefix = "chatcmpl-" if kind == "chat.completion" else "cmpl-"
     include_usage = stream and flag(options, "include_usage", False)
@@ -102,21 +109,71 @@ def _object(body: Any) -> dict:
 def _is_default(name: str, value: Any) -> bool:
     if name in ("n", "best_of"):
         return value in (None, 1)
-    if name == "response_format":
-        return value is None or value == {"type": "text"}
     return not value
 
 
-def _tools(body: dict) -> Optional[list]:
-    """The tools the model may call: none with `tool_choice: "none"`."""
+def _tools(body: dict) -> tuple[Optional[list], Optional[Grammar]]:
+    """The tools the model may call (none with `tool_choice: "none"`), and the grammar of a
+    call `tool_choice` forces ("required", or a named function)."""
     choice = body.get("tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise constrained("tool_choice", '"required"' if choice == "required" else "naming a function")
-    if choice not in (None, "auto", "none"):
+    named = isinstance(choice, dict)
+    if choice not in (None, "auto", "none", "required") and not named:
         raise invalid("tool_choice", '`tool_choice` must be "auto", "none", "required" or a function')
     tools = body.get("tools")
     checked("tools", chat_format.check_tools, tools)
-    return list(tools) if tools and choice != "none" else None
+    tools = list(tools) if tools and choice != "none" else None
+    if choice != "required" and not named:
+        return tools, None
+    name = None
+    if named:
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise invalid("tool_choice", '`tool_choice` names a function as {"type": "function", "function": '
+                                         '{"name": ...}}')
+    return tools, forced_calls(tools, name, flag(body, "parallel_tool_calls", True))
+
+
+def _response_format(body: dict) -> Optional[Grammar]:
+    """`response_format`: "text", "json_object" (any JSON object) or "json_schema"."""
+    fmt = mapping(body, "response_format")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json()
+    if kind == "json_schema":
+        return json_grammar(mapping(fmt, "json_schema").get("schema"), "response_format.json_schema.schema")
+    raise invalid("response_format", '`response_format.type` must be "text", "json_object" or "json_schema"')
+
+
+def _penalties(body: dict, vocab_size: int) -> Penalties:
+    """presence_penalty and frequency_penalty (-2..2), repetition_penalty (vLLM's: > 0) and
+    logit_bias ({token id: -100..100})."""
+    bias = mapping(body, "logit_bias")
+    pairs = []
+    for token, value in bias.items():
+        if not (isinstance(token, str) and token.isdigit() and int(token) < vocab_size) \
+                or type(value) not in (int, float) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"`logit_bias` maps token ids (0..{vocab_size - 1}) to numbers in [-100, 100]")
+        pairs.append((int(token), float(value)))
+    repetition = number(body, "repetition_penalty", 1.0, low=0.0)
+    if repetition <= 0:
+        raise invalid("repetition_penalty", "`repetition_penalty` must be > 0")
+    return Penalties(number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+                     number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0), repetition, tuple(pairs))
+
+
+def _logprobs(body: dict, kind: str) -> Optional[int]:
+    """How many alternatives each token's log-probability comes with (None: no log-probabilities):
+    chat's `logprobs` (true / false) with `top_logprobs`, completions' `logprobs` (a count)."""
+    if kind != "chat.completion":
+        return integer(body, "logprobs", low=0, high=MAX_LOGPROBS)
+    top = integer(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
+    if not flag(body, "logprobs", False):
+        if top is not None:
+            raise invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+        return None
+    return top or 0
 
 
 def _messages(messages: Any) -> list:
@@ -245,9 +302,11 @@ def response(job: Job, parts: list, outcome: Outcome) -> dict:
             message["reasoning_content"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = [_tool_call(c) for c in reply.tool_calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(outcome)}
+        choice = {"index": 0, "message": message, "logprobs": logprobs(job, outcome),
+                  "finish_reason": finish_reason(outcome)}
     else:
-        choice = {"index": 0, "text": reply.content, "logprobs": None, "finish_reason": outcome.finish_reason}
+        choice = {"index": 0, "text": reply.content, "logprobs": logprobs(job, outcome),
+                  "finish_reason": outcome.finish_reason}
     return {**_head(job, job.object), "choices": [choice], "usage": usage(outcome), "timings": timings(outcome.stats)}
 
 
@@ -257,11 +316,30 @@ def _tool_call(call: ToolCall, index: bool = False) -> dict:
     return {"index": call.index, **out} if index else out
 
 
+def logprobs(job: Job, outcome: Outcome) -> Optional[dict]:
+    """The log-probabilities of the tokens read since the last call, in the endpoint's shape:
+    chat's `{"content": [...]}`, completions' parallel lists; None when there are none."""
+    start = outcome.logprobs_sent
+    entries = outcome.new_logprobs()
+    if not entries:
+        return None
+    if job.chat:
+        return {"content": [{**_logprob(e), "top_logprobs": [_logprob(t) for t in e.top]} for e in entries]}
+    offset = sum(len(e.text) for e in outcome.logprobs[:start])
+    offsets = [offset + sum(len(e.text) for e in entries[:i]) for i in range(len(entries))]
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
+
+
+def _logprob(entry: TokenLogprob) -> dict:
+    return {"token": entry.text, "logprob": entry.logprob, "bytes": list(entry.bytes)}
+
+
 def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] = None, first: bool = False,
-          **extra) -> dict:
+          logprobs: Optional[dict] = None, **extra) -> dict:
     """One streamed piece; a chat stream's first chunk carries the role."""
     if not job.chat:
-        choice = {"index": 0, "text": part.text if part else "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": part.text if part else "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**_head(job, "text_completion"), "choices": [choice], **extra}
     if first:
         delta: dict = {"role": "assistant", "content": ""}
@@ -271,7 +349,7 @@ def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] =
         delta = {"tool_calls": [_tool_call(part.call, index=True)]}
     else:
         delta = {"reasoning_content" if part.kind == "reasoning" else "content": part.text}
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_head(job, "chat.completion.chunk"), "choices": [choice], **extra}
 
 
@@ -286,10 +364,10 @@ async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> Asy
     if job.chat:
         yield _frame(chunk(job, first=True))
     try:
-        async for part in parts:
-            yield _frame(chunk(job, part))
+        async for part in parts:  # a part carries the log-probabilities of the tokens read up to it
+            yield _frame(chunk(job, part, logprobs=logprobs(job, outcome)))
         final = finish_reason(outcome) if job.chat else outcome.finish_reason
-        yield _frame(chunk(job, finish_reason=final, timings=timings(outcome.stats)))
+        yield _frame(chunk(job, finish_reason=final, logprobs=logprobs(job, outcome), timings=timings(outcome.stats)))
         if job.include_usage:
             yield _frame(usage_chunk(job, outcome))
     except APIError as e:  # the headers are out: the error travels in the stream
