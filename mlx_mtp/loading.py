@@ -15,6 +15,7 @@ from .chat_format import stop_tokens
 from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
+from .models.quantized import adopt
 
 DRAFTER_TYPE = "gemma4_assistant"
 
@@ -120,6 +121,7 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, pr
         mode=record.get("mode", "affine"),
         class_predicate=predicate,
     )
+    adopt(model)
 
 
 def check_quantization(config: dict[str, Any], path: Path) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .models.quantized import adopt
+
 # Modes whose group size and bits are fixed by the format.
 FIXED_MODES = {"mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 BITS = (4, 8)
@@ -108,4 +110,5 @@ def quantize(
         model, config, params["group_size"], params["bits"], mode=params["mode"],
         quant_predicate=recipe(model, params, preset),
     )
+    adopt(model)
     return config

@@ -154,3 +154,21 @@ def test_ttft_mode_against_mlx_vlm(tmp_path, monkeypatch):
     for r in rows:
         assert r["same_first_token"] and r["ours_ms"] > 0 and r["vlm_ms"] > 0
         assert r["logits_max_abs_diff"] < 1e-2 * max(r["logits_scale"], 1.0)
+
+
+def test_realsize_mode_on_the_tiny_shape(tmp_path):
+    """The checkpoint pair is written once through the converter's shapes-only plan, then reused."""
+    out, cache = tmp_path / "realsize", tmp_path / "cache"
+    argv = ["realsize", "--shape", "tiny", "--cache-dir", str(cache), "--prefill", "8", "--batch", "1,2",
+            "--mtp-batch", "2", "--tokens", "6", "--batch-tokens", "5", "--long-context", "40", "--repeats", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    res, md = _results(out)
+    assert set(res["checkpoint"]["written"]) == {"target", "assistant"}
+    assert (cache / "tiny-4bit" / "target" / "model.safetensors.index.json").exists()
+    assert res["mtp"]["2"]["equals_plain"] and res["mismatches"] == []
+    assert res["plain"]["2"]["union_mean"] >= res["plain"]["1"]["union_mean"] == 2  # top-2 of 4 experts
+    assert res["long_context"]["full_layers"] == 2 and res["long_context"]["full_bytes_per_token"] > 0
+    assert "| greedy MTP == plain, B=2, 5 tokens | yes |" in md
+    assert main(argv) == 0  # reused, not rewritten
+    assert json.loads((out / "results.json").read_text())["results"][0]["checkpoint"]["written"] == {}

@@ -3,11 +3,9 @@
 import importlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx

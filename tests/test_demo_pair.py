@@ -3,7 +3,6 @@ greedy output past the sliding window, and its tokenizer and chat template work.
 
 from functools import lru_cache
 
-import pytest
 
 import mlx_mtp
 from mlx_mtp import demo

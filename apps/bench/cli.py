@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed} [options]`
+structured,mixed,realsize} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -25,6 +25,7 @@ MODES = {
     "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
     "mixed": ("mixed", "run_mixed"),
     "structured": ("structured", "run_structured"),
+    "realsize": ("realsize", "run_realsize"),
 }
 
 
@@ -203,6 +204,28 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--temperature", type=float, default=0.0)
     j.add_argument("--dtype", default="float32", choices=("stored", "float32"))
     j.set_defaults(repeats=3)
+
+    r = sub.add_parser("realsize", help="a released shape with random weights through the product: load, memory, "
+                                        "prefill, decode at B rows, MTP (oracle) vs plain, long-context K/V")
+    common(r, "realsize")
+    r.add_argument("--shape", default="26b-a4b", help="26b-a4b | 31b | e4b | e2b | tiny (the tiny MoE fixture shape)")
+    r.add_argument("--bits", type=int, default=4, choices=(4, 8), help="affine, group 64 (MoE router and dense MLP "
+                                                                       "at 8, as mlx-community's 26B-A4B)")
+    r.add_argument("--cache-dir", default=str(Path("~/.cache/mlx_mtp/realsize")),
+                   help="where the checkpoint pair is written once (<shape>-<bits>bit/{target,assistant})")
+    r.add_argument("--prefill", default="40,1000", help="prompt lengths timed to the first token")
+    r.add_argument("--batch", default="1,4,8", help="rows of plain decoding (and of the assistant-head timing)")
+    r.add_argument("--mtp-batch", default="1,4", help="rows of MTP (oracle) vs plain")
+    r.add_argument("--tokens", type=int, default=24, help="new tokens per row at B=1 (plain and MTP)")
+    r.add_argument("--batch-tokens", type=int, default=8, help="new tokens per row at B>1")
+    r.add_argument("--context", type=int, default=8, help="prompt tokens per row before decoding")
+    r.add_argument("--k", type=int, default=3, help="draft length of the MTP runs")
+    r.add_argument("--p", type=float, default=0.8, help="oracle: probability that a draft is right")
+    r.add_argument("--long-context", type=int, default=32768, help="K/V memory at this many positions (0: skip)")
+    r.add_argument("--cache-limit-gb", type=float, default=0.5, help="MLX buffer cache limit during the run")
+    r.add_argument("--max-rss-gb", type=float, default=17.0, help="abort once this process's RSS passes it (0: never)")
+    r.add_argument("--seed", type=int, default=0, help="prompts")
+    r.set_defaults(repeats=3)
     return ap
 
 

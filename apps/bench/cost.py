@@ -30,7 +30,6 @@ from .report import fmt, pivot, table
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "real_configs"
-SHARED = Path("/work/shared/fixtures/real-configs")
 TINY = ROOT / "tests" / "fixtures" / "tiny"
 
 TARGETS = {"e2b": "google--gemma-4-E2B-it", "e4b": "google--gemma-4-E4B-it",
@@ -39,7 +38,7 @@ ASSISTANTS = {  # (path, provenance)
     "e2b": (CONFIGS / "google--gemma-4-E2B-it-assistant" / "config.json", "official config"),
     "e4b": (CONFIGS / "google--gemma-4-E4B-it-assistant" / "config.partial.json",
             "PARTIAL config (fields from transformers' converter)"),
-    "26b-a4b": (SHARED / "google--gemma-4-26B-A4B-it-assistant" / "config.DERIVED-UNVERIFIED.json",
+    "26b-a4b": (CONFIGS / "google--gemma-4-26B-A4B-it-assistant" / "config.DERIVED-UNVERIFIED.json",
                 "DERIVED-UNVERIFIED config (31B assistant with 26B-A4B widths)"),
     "31b": (CONFIGS / "google--gemma-4-31B-it-assistant" / "config.json", "official config"),
 }
@@ -139,7 +138,6 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
         out[T] = time_fn(chain, repeats) / copies
         log(f"  layer {index} ({attn.layer_type}) T={T}: {1000 * out[T]:.1f} ms/layer")
     size = nbytes(layers[0])
-    del layers
     return out, size
 
 
@@ -217,7 +215,6 @@ def time_drafter(shape, tcfg, batches, context, repeats, bits, log):
         out[B] = time_fn(step, repeats)
         log(f"  drafter B={B}: {1000 * out[B]:.1f} ms/step")
     size = nbytes(model)
-    del model
     return out, source, size
 
 

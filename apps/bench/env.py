@@ -85,3 +85,26 @@ def time_fn(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+
+def rss_gib(field: str = "VmRSS") -> float:
+    """This process's resident memory (VmRSS) or its high-water mark since `reset_peak_rss`
+    (VmHWM), GiB. Linux reads /proc; elsewhere the peak is getrusage's, since the start."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30  # macOS: bytes
+
+
+def reset_peak_rss() -> None:
+    """Restart VmHWM from the current RSS (Linux: `5` into /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

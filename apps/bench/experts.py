@@ -29,7 +29,6 @@ def uniform_union(experts: int, top_k: int, tokens: int) -> float:
 def measure_union(loaded, prompts, k, n, repeats):
     """Per step: (tokens per forward, mean union over MoE layers, max union, per-layer unions),
     and the median seconds per step from runs without the recorder."""
-    cfg = loaded.target.config
     drafter = loaded.drafter if k else None
 
     def run(record: bool):

@@ -89,7 +89,7 @@ def prefilled(target, prompts: list) -> PrefixCache:
     states = PrefixCache(target, budget=0)
     for p in prompts:
         cache = target.make_cache(1, max_rollback=MAX_ROLLBACK)
-        target(mx.array([p[:-1]], dtype=mx.int32), cache)
+        target(mx.array([p[:-1]], dtype=mx.int32), cache, keep=0)
         mx.eval(cache.keys, cache.values, cache.offset)
         states.store(p[:-1], cache, pin="prompts")
     return states
@@ -100,20 +100,21 @@ def decode_run(gen: BatchGenerator, prompts: list, n: int) -> dict:
     first tokens)."""
     uids = [gen.insert(p, max_tokens=n) for p in prompts]
     out = {u: [] for u in uids}
-    steps, begun = 0, None
+    begun, reads = None, []
     while gen.busy:
         events = gen.step()
         for e in events:
             out[e.uid] += e.tokens
         if begun is None and all(out.values()):
             begun = time.perf_counter()  # every first token is in; round 1 is queued
+            reads.append(begun)
         elif begun is not None and any(e.tokens for e in events):
-            steps += 1  # a round was read
-    seconds = time.perf_counter() - begun
+            reads.append(time.perf_counter())  # a round was read
     rows = [out[u] for u in uids]
     for u in uids:
         gen.remove(u)
-    return dict(tokens=rows, seconds=seconds, steps=steps, decoded=sum(len(r) - 1 for r in rows))
+    return dict(tokens=rows, seconds=reads[-1] - begun, steps=len(reads) - 1, decoded=sum(len(r) - 1 for r in rows),
+                step_seconds=np.diff(reads).tolist())
 
 
 def oracle_pair(name: str, seed: int):

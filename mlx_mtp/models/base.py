@@ -133,8 +133,9 @@ _forced_fused: Optional[bool] = None  # set by `force_fused`
 
 
 def fused_kernels() -> bool:
-    """True where MLX's `mx.fast` ops are single kernels (GPU). On the CPU they are split into
-    many small ops, each one dispatched, so models build cheaper equivalents there."""
+    """True where MLX's kernels are a GPU's: `mx.fast` ops are single kernels, quantized matmuls
+    are fast in any activation dtype and `gather_qmm` serves many rows. On the CPU they are not
+    (split into many small ops; see `models/quantized.py`), so models build cheaper equivalents."""
     if _forced_fused is not None:
         return _forced_fused
     return mx.default_device() == mx.gpu

@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..cache import FULL, SLIDING, KVCache, Step
 from .base import BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, rms_norm
+from .quantized import forward_tokens, switch_glu
 
 
 @dataclasses.dataclass
@@ -327,11 +328,7 @@ class Experts(nn.Module):
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
-        w = self.switch_glu.gate_proj.weight
-        if mx.issubdtype(w.dtype, mx.floating):  # float32 where loading widened it for the backend
-            y = self.switch_glu(x.astype(w.dtype), idx).astype(x.dtype)  # (B, L, k, H)
-        else:
-            y = self.switch_glu(x, idx)
+        y = switch_glu(self.switch_glu, x, idx)  # (..., k, H)
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
@@ -480,9 +477,12 @@ class Model(nn.Module):
         positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
         step = cache.begin(tokens.shape[1])
-        # Pipeline sends and the router record are side effects: they run uncompiled.
-        compilable = step.fixed and self.pipeline is None and ROUTER_RECORD is None
-        logits, hidden, keys, values = (self._compiled_forward if compilable else self._forward)(tokens, step, keep)
+        # Pipeline sends and the router record are side effects, and the CPU's grouped experts read
+        # the routing on the host (models/quantized.py): they run uncompiled.
+        grouped = self.config.enable_moe_block and not fused_kernels()
+        compilable = step.fixed and self.pipeline is None and ROUTER_RECORD is None and not grouped
+        with forward_tokens(tokens.shape[1]):
+            logits, hidden, keys, values = (self._compiled_forward if compilable else self._forward)(tokens, step, keep)
         cache.keys[:], cache.values[:] = keys, values  # (what a compiled forward returns: new buffers)
         if self.model.span[1] < self.config.num_hidden_layers:
             return self._elsewhere(tokens.shape, keep)

@@ -1,0 +1,220 @@
+"""Quantized compute that is fast on the backend it runs on.
+
+A GPU (`fused_kernels()`) keeps MLX's own paths. MLX's CPU backend differs in three measured ways
+(apps/README.md, "realsize"): its quantized matmul is ~10x slower with bf16 activations than with
+fp32 ones (~50x with fp16), its cost grows with every row (no row shares a weight read), and
+`gather_qmm` grows with the square of the rows. So on the CPU:
+
+- quantized layers compute with fp32 activations and return their input's dtype;
+- MoE experts group the rows by expert and run one matmul per used expert;
+- in a prompt chunk (more than `ROW_EXACT_TOKENS` tokens per row), a weight that many rows use
+  is dequantised once (fp32) and multiplied through the BLAS, where the BLAS shares the weight
+  read among rows (MKL, Accelerate): from `dequantize_rows()` rows.
+
+A decode step or a verify (at most `ROW_EXACT_TOKENS` tokens per row) never shares a weight: a
+BLAS such as MKL rounds a row differently with the number of rows in the product, so a verify
+whose rows shared a weight would differ in the last bits from the decode steps it stands for,
+and bf16 activations and near-tied logits turn that into different tokens (greedy MTP != plain
+at B=4 on 26B-A4B). The per-row kernel computes each row alone, however many share it.
+
+Both branches give the same results to fp32 rounding; `force_fused` and `dequantizing_from`
+force each choice so tests run all of them on one machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from .base import fused_kernels
+
+CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
+# Forwards of at most this many tokens per row compute each row alone (decode steps and verifies:
+# speculative.K_MAX + 1 <= ROW_EXACT_TOKENS, a test holds it).
+ROW_EXACT_TOKENS = 8
+
+_forced_rows: Optional[float] = None  # set by `dequantizing_from`
+_forward_tokens = 1  # tokens per row of the forward running, for layers that see (B * L, D) rows
+
+
+@contextmanager
+def forward_tokens(n: int) -> Iterator[None]:
+    """A target forward of `n` tokens per row runs inside: its layers see the rows flattened."""
+    global _forward_tokens
+    before, _forward_tokens = _forward_tokens, n
+    try:
+        yield
+    finally:
+        _forward_tokens = before
+
+
+def dequantize_rows() -> float:
+    """Rows from which a CPU quantized matmul dequantises its weight once and shares it among the
+    rows (inf: never). Measured once per process unless forced."""
+    return _measured_rows() if _forced_rows is None else _forced_rows
+
+
+@contextmanager
+def dequantizing_from(rows: float) -> Iterator[None]:
+    """Force `dequantize_rows()` (1: always dequantise, inf: never)."""
+    global _forced_rows
+    before, _forced_rows = _forced_rows, rows
+    try:
+        yield
+    finally:
+        _forced_rows = before
+
+
+def _shares_weight(rows: int, tokens_per_row: int) -> bool:
+    if tokens_per_row <= ROW_EXACT_TOKENS:
+        return False
+    if _forced_rows is not None:
+        return rows >= _forced_rows
+    return rows > 1 and rows >= _measured_rows()  # one row never pays for a dequantisation: no probe
+
+
+@lru_cache(maxsize=None)
+def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
+    """Per row, MLX's CPU quantized matmul costs q and an fp32 matmul g; dequantising costs d
+    once. Sharing pays from d / (q - g) rows if the BLAS is clearly cheaper per row than the
+    quantized kernel (the reference BLAS of Linux `mlx[cpu]` wheels is not). A weight as large
+    as a real layer's (32 MiB in fp32: dequantising a cache-resident one is several times
+    cheaper per weight); the fastest of interleaved repeats, so a busy machine slows every
+    candidate alike."""
+    key = mx.random.key(0)
+    w = mx.random.randint(0, 1 << 30, (4096, 256), key=key).astype(mx.uint32)  # 4-bit codes, packed
+    scales, biases = mx.random.uniform(shape=(2, 4096, 32), key=key)
+    x = mx.random.normal((rows, 2048), key=key)
+    dense = mx.dequantize(w, scales, biases, 64, 4)
+    mx.eval(w, scales, biases, x, dense)
+
+    def fastest(*fns) -> list:
+        best = [math.inf] * len(fns)
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                mx.eval(fn())
+                best[i] = min(best[i], time.perf_counter() - start)
+        return best
+
+    q, g = fastest(lambda: mx.quantized_matmul(x[:1], w, scales, biases, True, 64, 4), lambda: x @ dense.T)
+    g /= rows
+    if g >= 0.8 * q:
+        return math.inf
+    d = fastest(lambda: mx.dequantize(w, scales, biases, 64, 4))[0]
+    return max(2, math.ceil(d / (q - g)))
+
+
+def _tokens_per_row(x: mx.array) -> int:
+    return x.shape[-2] if x.ndim > 2 else _forward_tokens
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
+                     bits: int, mode: str, tokens_per_row: Optional[int] = None) -> mx.array:
+    """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32). x is (..., L, D), L
+    tokens per row, or (N, D) rows of the running `forward_tokens`; `tokens_per_row` overrides L."""
+    x = x.astype(mx.float32)
+    if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
+        return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
+    if mx.issubdtype(scales.dtype, mx.floating):  # fp32 scales: fp32 weights out of dequantize
+        scales = scales.astype(mx.float32)
+        biases = None if biases is None else biases.astype(mx.float32)
+    step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))  # output features per dequantised block
+    outs = []
+    for start in range(0, w.shape[0], step):
+        part = slice(start, start + step)
+        dense = mx.dequantize(w[part], scales[part], None if biases is None else biases[part], group_size, bits,
+                              mode=mode)
+        outs.append(x @ dense.astype(mx.float32).T)
+        # Evaluated now: MLX would otherwise schedule the dequantisations ahead of the products and
+        # hold most of them at once (a layer's experts: GBs at real size).
+        mx.eval(outs[-1])
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+
+
+def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
+                  tokens_per_row: Optional[int] = None) -> mx.array:
+    """A quantized layer's (or one expert's) product on the CPU backend, fp32."""
+    pick = (lambda a: a) if expert is None else (lambda a: a[expert])
+    biases = layer.get("biases")
+    return quantized_matmul(x, pick(layer["weight"]), pick(layer["scales"]), None if biases is None else pick(biases),
+                            layer.group_size, layer.bits, layer.mode, tokens_per_row)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if fused_kernels():
+            return super().__call__(x)
+        y = _layer_matmul(self, x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y.astype(x.dtype)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        if fused_kernels():
+            return super().as_linear(x)
+        return _layer_matmul(self, x).astype(x.dtype)
+
+
+_BACKEND_AWARE = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
+
+
+def adopt(model: nn.Module) -> nn.Module:
+    """Give the quantized layers `nn.quantize` made in `model` the backend-aware forward above:
+    the same layout and parameters, only `__call__` / `as_linear` differ."""
+    for _, module in model.named_modules():
+        cls = _BACKEND_AWARE.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
+    return model
+
+
+def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
+    """(..., H) tokens through their experts `idx` (..., k) -> (..., k, H), in x's dtype."""
+    w = glu.gate_proj.weight
+    floating = mx.issubdtype(w.dtype, mx.floating)
+    if fused_kernels():
+        if floating:  # float32 where loading widened it for the backend
+            return glu(x.astype(w.dtype), idx).astype(x.dtype)
+        return glu(x, idx)
+    return grouped_glu(glu, x, idx, w.dtype if floating else mx.float32).astype(x.dtype)
+
+
+def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The CPU path of `switch_glu`: rows grouped by expert, one product per used expert and
+    projection, so the cost follows the rows (gather_qmm's grows with their square). Reads the
+    router's choice on the host: the forward waits for it here."""
+    k, tokens = idx.shape[-1], _tokens_per_row(idx)
+    flat = np.array(idx).reshape(-1)
+    order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
+    experts, starts = np.unique(flat[order], return_index=True)
+    ends = [*starts[1:].tolist(), len(order)]
+    rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
+    outs = []
+    for e, start, end in zip(experts.tolist(), starts.tolist(), ends):
+        xe = rows[start:end]
+        h = glu.activation(_expert(glu.up_proj, e, xe, tokens), _expert(glu.gate_proj, e, xe, tokens))
+        outs.append(_expert(glu.down_proj, e, h, tokens))
+    y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
+    return y.reshape(*idx.shape, -1)
+
+
+def _expert(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+    """One expert of a (Quantized)SwitchLinear on rows x (of a forward of `tokens_per_row`)."""
+    if "scales" in layer:
+        y = _layer_matmul(layer, x, e, tokens_per_row)
+    else:
+        y = x @ layer["weight"][e].T
+    if "bias" in layer:
+        y = y + layer["bias"][e]
+    return y
