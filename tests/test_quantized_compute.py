@@ -5,6 +5,7 @@ kernels, gather_qmm) both run here by forcing the choice, and agree to the parit
 import copy
 import math
 import sys
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -227,3 +228,26 @@ def test_a_verify_equals_the_decode_steps_it_stands_for_bit_for_bit(name, tmp_pa
     proc = run_python(f"REGIME = {name!r}\n" + VERIFY_EQUALS_STEPS, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "True"
+
+
+def test_a_forwards_tokens_per_row_are_its_own_threads():
+    """Two generators on two threads run forwards at once: one's tokens per row must not decide
+    how the other's layers compute."""
+    from mlx_mtp.models import quantized
+
+    rows = mx.zeros((4, 8))
+    inside, seen = threading.Event(), []
+    done = threading.Event()
+
+    def prompt_chunk():
+        with quantized.forward_tokens(64):
+            inside.set()
+            done.wait(5)
+
+    other = threading.Thread(target=prompt_chunk)
+    other.start()
+    inside.wait(5)
+    seen.append(quantized._tokens_per_row(rows))
+    done.set()
+    other.join()
+    assert seen == [1]

@@ -24,6 +24,7 @@ force each choice so tests run all of them on one machine.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -41,19 +42,20 @@ CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row he
 # speculative.K_MAX + 1 <= ROW_EXACT_TOKENS, a test holds it).
 ROW_EXACT_TOKENS = 8
 
-_forced_rows: Optional[float] = None  # set by `dequantizing_from`
-_forward_tokens = 1  # tokens per row of the forward running, for layers that see (B * L, D) rows
+_forced_rows: Optional[float] = None  # set by `dequantizing_from` (process-wide: tests and probes)
+# Tokens per row of the forward running on this thread, for layers that see (B * L, D) rows. Per
+# thread: generators on two threads (two Engines, `generate` beside an Engine) run forwards at once.
+_forward = threading.local()
 
 
 @contextmanager
 def forward_tokens(n: int) -> Iterator[None]:
     """A target forward of `n` tokens per row runs inside: its layers see the rows flattened."""
-    global _forward_tokens
-    before, _forward_tokens = _forward_tokens, n
+    before, _forward.tokens = getattr(_forward, "tokens", 1), n
     try:
         yield
     finally:
-        _forward_tokens = before
+        _forward.tokens = before
 
 
 def dequantize_rows() -> float:
@@ -114,7 +116,7 @@ def _measured_rows(rows: int = 4, repeats: int = 3) -> float:
 
 
 def _tokens_per_row(x: mx.array) -> int:
-    return x.shape[-2] if x.ndim > 2 else _forward_tokens
+    return x.shape[-2] if x.ndim > 2 else getattr(_forward, "tokens", 1)
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
