@@ -48,6 +48,7 @@ TOOLS = ["read_file(path: str) -> str: the file's text", "write_file(path: str, 
 
 
 def run_agent(args, log) -> dict:
+    env = regime.child_env()  # the servers compute in our regime (refused before any work if they cannot)
     model, drafter, description = pair_dirs(args, log)
     tokenizer = _tokenizer(model)
     context = args.context if args.pair == "mid" else json.loads((model / "config.json").read_text())[
@@ -66,7 +67,7 @@ def run_agent(args, log) -> dict:
     for name, run in scenarios.items():
         for cache in caches:
             budget = str(int(args.prompt_cache_gb * 2**30)) if cache == "on" else "0"
-            url, proc = serve(model, drafter, budget, args, log)
+            url, proc = serve(model, drafter, budget, env, args, log)
             try:
                 stream(url, "/v1/completions", {"prompt": "import os\n", "max_tokens": 4}, timeout=600)  # warm-up
                 results[cache][name] = run(url)
@@ -156,13 +157,13 @@ def agent_md(res: dict) -> str:
 # ---- servers, pairs and text ----------------------------------------------------------------------
 
 
-def serve(model: Path, drafter: Path, budget: str, args, log):
+def serve(model: Path, drafter: Path, budget: str, env: dict | None, args, log):
     port = free_port()
     command = [sys.executable, "-m", "mlx_mtp.server", "--model", str(model), "--drafter", str(drafter),
                "--served-model-name", args.pair, "--dtype", "float32", "--max-batch", str(max(args.sessions, 1)),
                "--prompt-cache-bytes", budget, "--log-level", "warning"]
     logfile = os.path.join(tempfile.gettempdir(), f"mlx_mtp_agent_{port}.log")
-    proc = start_server(command, port, logfile, env=regime.child_env())  # the server computes in our regime
+    proc = start_server(command, port, logfile, env=env)
     wait_healthy(proc, port, timeout=600)
     log(f"server with --prompt-cache-bytes {budget} on port {port} (log: {logfile})")
     return f"http://127.0.0.1:{port}", proc
