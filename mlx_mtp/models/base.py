@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
 
@@ -154,6 +155,31 @@ def force_fused(on: Optional[bool]) -> Iterator[None]:
         _forced_fused = saved
 
 
+MAX_STREAMS = 8
+_forced_streams: Optional[int] = None  # set by `using_streams`
+
+
+def cpu_stream_count() -> int:
+    """CPU streams that quantized work is spread over (`models/quantized.py`): one per core the
+    process may use, up to MAX_STREAMS (MLX's CPU quantized kernel runs on its stream's thread)."""
+    if _forced_streams is not None:
+        return _forced_streams
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_STREAMS, cores)
+
+
+@contextlib.contextmanager
+def using_streams(count: Optional[int]) -> Iterator[None]:
+    """Within the block quantized work uses `count` CPU streams (None: one per core). Process-wide,
+    like `force_fused`: for tests and benchmarks."""
+    global _forced_streams
+    saved, _forced_streams = _forced_streams, count
+    try:
+        yield
+    finally:
+        _forced_streams = saved
+
+
 def compiled(method: Callable) -> Callable:
     """`mx.compile` a module method, traced once per set of argument shapes, dtypes and constants.
 
@@ -161,8 +187,8 @@ def compiled(method: Callable) -> Callable:
     floats, strings, None). The module's own arrays are inputs of every call, never constants
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
-    holds one (another thread may be running it). Whether `mx.fast` kernels are used is part of
-    the key. Compiled functions are per module object and per thread (MLX keeps traces per thread),
+    holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
+    CPU streams quantized work is spread over are part of the key. Compiled functions are per module object and per thread (MLX keeps traces per thread),
     their traces bounded in number (`jit.Bounded`).
     """
 
@@ -175,7 +201,7 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, fused_kernels(), *args)
+        return fn(self, (fused_kernels(), cpu_stream_count()), *args)
 
     return call
 
@@ -192,7 +218,7 @@ class _Compiled(dict):
 
 
 def _compile(method: Callable, module: weakref.ref) -> Callable:
-    def traced(arrays, fused, *args):  # arrays: the module's dict, as compile's tracers
+    def traced(arrays, backend, *args):  # arrays: the module's dict, as compile's tracers
         return method(_holding(module(), arrays), *args)
 
     return Bounded(traced, skip=1)  # refers to the module weakly: it holds this function

@@ -9,7 +9,11 @@ fp32 ones (~50x with fp16), its cost grows with every row (no row shares a weigh
 - MoE experts group the rows by expert and run one matmul per used expert;
 - in a prompt chunk (more than `ROW_EXACT_TOKENS` tokens per row), a weight that many rows use
   is dequantised once (fp32) and multiplied through the BLAS, where the BLAS shares the weight
-  read among rows (MKL, Accelerate): from `dequantize_rows()` rows.
+  read among rows (MKL, Accelerate): from `dequantize_rows()` rows;
+- the quantized kernel runs on one thread per stream, so the work is spread over one CPU stream per
+  core (`cpu_streams()`; MLX runs each stream on a thread of its own): a large weight's output
+  features are split between them, MoE experts dealt out to them. Every output is still computed
+  by the same kernel from the same inputs, so results do not depend on how many streams there are.
 
 A decode step or a verify (at most `ROW_EXACT_TOKENS` tokens per row) never shares a weight: a
 BLAS such as MKL rounds a row differently with the number of rows in the product, so a verify
@@ -35,17 +39,23 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .base import fused_kernels
+from .base import cpu_stream_count, fused_kernels
 
 CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
 # Forwards of at most this many tokens per row compute each row alone (decode steps and verifies:
 # speculative.K_MAX + 1 <= ROW_EXACT_TOKENS, a test holds it).
 ROW_EXACT_TOKENS = 8
 
+# A product over fewer weights stays on one stream: handing work to another thread costs ~0.1 ms.
+SPLIT_WEIGHTS = 1 << 20
+
 _forced_rows: Optional[float] = None  # set by `dequantizing_from` (process-wide: tests and probes)
-# Tokens per row of the forward running on this thread, for layers that see (B * L, D) rows. Per
-# thread: generators on two threads (two Engines, `generate` beside an Engine) run forwards at once.
+# Per thread (generators on two threads, e.g. two Engines, run forwards at once): `tokens`, per row
+# of the running forward, for layers that see (B * L, D) rows; `streams`, the thread's extra streams.
 _forward = threading.local()
+# Every stream made, for the life of the process: a compiled trace that used a stream must not
+# outlive it (MLX aborts at exit if a thread's streams went with the thread before its traces).
+_made: list = []
 
 
 @contextmanager
@@ -56,6 +66,17 @@ def forward_tokens(n: int) -> Iterator[None]:
         yield
     finally:
         _forward.tokens = before
+
+
+def cpu_streams() -> list:
+    """This thread's CPU streams for quantized work, `cpu_stream_count()` of them: its default one
+    and more (MLX streams belong to the thread that made them, so each thread makes its own, once)."""
+    count = cpu_stream_count()
+    extra = getattr(_forward, "streams", [])
+    while len(extra) < count - 1:
+        _made.append(mx.new_stream(mx.cpu))
+        extra = _forward.streams = [*extra, _made[-1]]
+    return [mx.default_stream(mx.cpu), *extra[: count - 1]]
 
 
 def dequantize_rows() -> float:
@@ -120,35 +141,57 @@ def _tokens_per_row(x: mx.array) -> int:
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
-                     bits: int, mode: str, tokens_per_row: Optional[int] = None) -> mx.array:
+                     bits: int, mode: str, tokens_per_row: Optional[int] = None, split: bool = True) -> mx.array:
     """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32). x is (..., L, D), L
-    tokens per row, or (N, D) rows of the running `forward_tokens`; `tokens_per_row` overrides L."""
+    tokens per row, or (N, D) rows of the running `forward_tokens`; `tokens_per_row` overrides L.
+    `split`: spread the output features over this thread's CPU streams (callers that spread
+    whole products themselves, such as the experts, say no)."""
     x = x.astype(mx.float32)
+    streams = cpu_streams() if split and w.shape[0] * x.shape[-1] >= SPLIT_WEIGHTS else cpu_streams()[:1]
     if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
-        return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
+        step = -(-w.shape[0] // len(streams))
+
+        def product(part: slice) -> mx.array:
+            return mx.quantized_matmul(x, w[part], scales[part], None if biases is None else biases[part], True,
+                                       group_size, bits, mode=mode)
+
+        return _spread(product, w.shape[0], step, streams, evaluate=False)
     if mx.issubdtype(scales.dtype, mx.floating):  # fp32 scales: fp32 weights out of dequantize
         scales = scales.astype(mx.float32)
         biases = None if biases is None else biases.astype(mx.float32)
-    step = max(1, CHUNK_BYTES // (4 * x.shape[-1]))  # output features per dequantised block
-    outs = []
-    for start in range(0, w.shape[0], step):
-        part = slice(start, start + step)
+
+    def product(part: slice) -> mx.array:
         dense = mx.dequantize(w[part], scales[part], None if biases is None else biases[part], group_size, bits,
                               mode=mode)
-        outs.append(x @ dense.astype(mx.float32).T)
-        # Evaluated now: MLX would otherwise schedule the dequantisations ahead of the products and
-        # hold most of them at once (a layer's experts: GBs at real size).
-        mx.eval(outs[-1])
+        return x @ dense.astype(mx.float32).T
+
+    step = max(1, min(CHUNK_BYTES // (4 * x.shape[-1]), -(-w.shape[0] // len(streams))))  # features per block
+    return _spread(product, w.shape[0], step, streams, evaluate=split)
+
+
+def _spread(product, features: int, step: int, streams: list, evaluate: bool) -> mx.array:
+    """`product(part)` for every block of `step` output features, block i on stream i mod n,
+    concatenated. `evaluate`: each round of n blocks is evaluated before the next is built, so
+    that MLX does not schedule the dequantisations ahead of the products and hold most of them at
+    once (a layer's experts, the tied head: GBs at real size)."""
+    outs = []
+    for i, start in enumerate(range(0, features, step)):
+        with mx.stream(streams[i % len(streams)]):
+            outs.append(product(slice(start, start + step)))
+        if evaluate and len(outs) % len(streams) == 0:
+            mx.eval(outs[-len(streams):])
+    if evaluate:
+        mx.eval(outs)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
 def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
                   tokens_per_row: Optional[int] = None) -> mx.array:
-    """A quantized layer's (or one expert's) product on the CPU backend, fp32."""
+    """A quantized layer's (or one expert's, on the running stream) product on the CPU backend, fp32."""
     pick = (lambda a: a) if expert is None else (lambda a: a[expert])
     biases = layer.get("biases")
     return quantized_matmul(x, pick(layer["weight"]), pick(layer["scales"]), None if biases is None else pick(biases),
-                            layer.group_size, layer.bits, layer.mode, tokens_per_row)
+                            layer.group_size, layer.bits, layer.mode, tokens_per_row, split=expert is None)
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -194,19 +237,23 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
 
 def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> mx.array:
     """The CPU path of `switch_glu`: rows grouped by expert, one product per used expert and
-    projection, so the cost follows the rows (gather_qmm's grows with their square). Reads the
-    router's choice on the host: the forward waits for it here."""
+    projection, so the cost follows the rows (gather_qmm's grows with their square); the experts
+    dealt out to this thread's CPU streams. Reads the router's choice on the host: the forward
+    waits for it here."""
     k, tokens = idx.shape[-1], _tokens_per_row(idx)
     flat = np.array(idx).reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     experts, starts = np.unique(flat[order], return_index=True)
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
-    outs = []
-    for e, start, end in zip(experts.tolist(), starts.tolist(), ends):
-        xe = rows[start:end]
-        h = glu.activation(_expert(glu.up_proj, e, xe, tokens), _expert(glu.gate_proj, e, xe, tokens))
-        outs.append(_expert(glu.down_proj, e, h, tokens))
+    streams, outs = cpu_streams(), []
+    for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
+        with mx.stream(streams[i % len(streams)]):
+            xe = rows[start:end]
+            h = glu.activation(_expert(glu.up_proj, e, xe, tokens), _expert(glu.gate_proj, e, xe, tokens))
+            outs.append(_expert(glu.down_proj, e, h, tokens))
+        if tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
+            mx.eval(outs[-len(streams):])  # a prompt chunk's dequantised experts: a round at a time
     y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
     return y.reshape(*idx.shape, -1)
 
