@@ -4,7 +4,8 @@ Every slot carries the absolute position of the token stored in it (-1 = empty o
 and every mask is derived from positions, so causal and sliding masks, ragged rows and the
 drafter's own masks follow one rule. Slots are addressed by position: full-attention layers
 store position t in slot t (the buffer grows), sliding layers in slot t mod C of a ring of
-C = window + 1 + max_rollback slots. Rolling back is then only a matter of marking positions
+C = window + 1 + max_rollback slots (`ring_size`), which grows with the full buffers until it
+reaches C, so a short sequence holds no more than it uses. Rolling back is then only a matter of marking positions
 empty, which the speculative round does on the device (`rollback_to`) without the host ever
 reading how many drafts were accepted; a host-side `trim`/`rollback` checks that the positions
 it needs are still retained and either succeeds exactly or raises `CacheError`. A one-row cache
@@ -140,9 +141,11 @@ class KVCache:
         self.window = sliding_window
         self.max_rollback = max_rollback
         self.step = step
-        ring = sliding_window + 1 + max_rollback  # the drafter reads the last W + 1 positions
+        self.ring_size = sliding_window + 1 + max_rollback  # the drafter reads the last W + 1 positions
+        # Both buffers start empty and grow (`_resize`); a ring is as long as the full buffers (slot =
+        # position: nothing wraps) until it reaches `ring_size`.
         self.tracks = {FULL: _Track(None, 0, _empty(batch_size, 0)),
-                       SLIDING: _Track(sliding_window, ring, _empty(batch_size, ring))}
+                       SLIDING: _Track(sliding_window, 0, _empty(batch_size, 0))}
         self.keys: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.values: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.offset = mx.zeros((batch_size,), dtype=mx.int32)  # next position of each row
@@ -179,8 +182,7 @@ class KVCache:
         """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
         positions = self.offset[:, None] + mx.array(np.arange(length, dtype=np.int32))  # a constant: no graph node
         self._grow(int(self.bound.max(initial=0)) + length)
-        ring = self.tracks[SLIDING]
-        fixed = (length <= min(FIXED_LENGTH, ring.capacity - ring.window + 1)
+        fixed = (length <= min(FIXED_LENGTH, self.ring_size - self.window + 1)
                  and all(k is not None for k in self.keys))
         single = self.exact and self.batch_size == 1
         offset = int(self.bound[0]) if single and not fixed else self.offset
@@ -212,7 +214,7 @@ class KVCache:
         n = min(length, C)
         scatter = first is None or (first + length - n) % C + n > C  # rows apart, or a write across the ring's end
         start = None if scatter else mx.array([(first + length - n) % C], dtype=mx.int32)
-        if length > C - W + 1:  # later tokens of the chunk would overwrite keys earlier ones need
+        if length > C - W + 1 and end > C:  # later tokens of the chunk would overwrite keys earlier ones need
             old = (0, 0) if end == length else (0, C)  # an empty cache has nothing older
             kpos = mx.concatenate([track.pos[:, old[0] : old[1]], positions], axis=1)
             write = _Write(slots[:, length - n :], n, True, old, C, start)
@@ -261,11 +263,10 @@ class KVCache:
         new = np.asarray(lengths, dtype=np.int64)
         if (new < 0).any() or (new > self.bound).any():
             raise CacheError(f"cannot set lengths {new.tolist()}: rows hold at most {self.bound.tolist()}")
-        ring = self.tracks[SLIDING]
         needed = np.maximum(new - (self.window + 1), 0)
         if (needed < self.oldest()).any():
             raise CacheError(
-                f"cannot roll back to {new.tolist()}: the sliding-window cache retains only {ring.capacity} "
+                f"cannot roll back to {new.tolist()}: the sliding-window cache retains only {self.ring_size} "
                 f"positions (window {self.window} + 1 + max_rollback {self.max_rollback})")
         self.rollback_to(mx.array(new.astype(np.int32)))
         self.bound, self.exact = new, True
@@ -358,8 +359,8 @@ class KVCache:
         if (other.layer_types, other.window, other.max_rollback) != (self.layer_types, self.window, self.max_rollback):
             raise CacheError("cannot join caches of different models or rollback budgets")
         capacity = max(self.tracks[FULL].capacity, other.tracks[FULL].capacity)
-        self._resize_full(capacity)
-        other._resize_full(capacity)
+        self._resize(capacity)
+        other._resize(capacity)
         for name, track in self.tracks.items():
             track.pos = mx.concatenate([track.pos, other.tracks[name].pos])
         for bufs, theirs in ((self.keys, other.keys), (self.values, other.values)):
@@ -383,12 +384,12 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         full = self.tracks[FULL]
         if needed > full.capacity:
-            self._resize_full(self._rounded(needed + self.step // 2))
+            self._resize(self._rounded(needed + self.step // 2))
 
     def _shrink(self) -> None:
         needed = self._rounded(int(self.top.max(initial=0)) + 1)
         if needed < self.tracks[FULL].capacity:
-            self._resize_full(needed)
+            self._resize(needed)
 
     def _rounded(self, n: int) -> int:
         """Full-attention slots for n positions: a multiple of `step`, and of an eighth of n (as a power
@@ -397,17 +398,20 @@ class KVCache:
         granule = max(self.step, 1 << max(n.bit_length() - 4, 0))
         return -(-n // granule) * granule
 
-    def _resize_full(self, capacity: int) -> None:
-        """Full-attention buffers with `capacity` slots (slot = position, so no data moves)."""
-        full = self.tracks[FULL]
-        if capacity == full.capacity:
-            return
-        full.pos = _fit(full.pos, capacity, -1, axis=1)
-        for i, kind in enumerate(self.layer_types):
-            if kind == FULL and self.keys[i] is not None:
-                self.keys[i] = _fit(self.keys[i], capacity, 0, axis=2)
-                self.values[i] = _fit(self.values[i], capacity, 0, axis=2)
-        full.capacity = capacity
+    def _resize(self, capacity: int) -> None:
+        """Full-attention buffers with `capacity` slots, rings with as many up to `ring_size`. Slot =
+        position in both while a ring is shorter than `ring_size` (no position at or past `capacity`
+        was ever written: `top` bounds them), so no data moves."""
+        for kind, size in ((FULL, capacity), (SLIDING, min(capacity, self.ring_size))):
+            track = self.tracks[kind]
+            if size == track.capacity:
+                continue
+            track.pos = _fit(track.pos, size, -1, axis=1)
+            for i, t in enumerate(self.layer_types):
+                if t == kind and self.keys[i] is not None:
+                    self.keys[i] = _fit(self.keys[i], size, 0, axis=2)
+                    self.values[i] = _fit(self.values[i], size, 0, axis=2)
+            track.capacity = size
 
 
 def _empty(batch_size: int, width: int) -> mx.array:

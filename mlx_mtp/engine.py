@@ -688,5 +688,5 @@ class Engine:
 def _kv_bytes(target) -> tuple[int, int]:
     """(bytes per token of the full-attention layers, bytes of the sliding rings) for one row."""
     per_token = token_bytes(target)
-    return per_token[FULL], per_token[SLIDING] * target.make_cache(1, max_rollback=MAX_ROLLBACK).tracks[SLIDING].capacity
+    return per_token[FULL], per_token[SLIDING] * target.make_cache(1, max_rollback=MAX_ROLLBACK).ring_size
 

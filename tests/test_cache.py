@@ -129,3 +129,66 @@ def test_model_rollback_after_wrap_equals_never_having_seen_the_tokens():
         else:
             rolled.trim(5)
         assert np.abs(np.array(model(ids[:, 15:], rolled).logits - expect)).max() < 1e-5
+
+
+def test_rings_grow_with_the_context_until_they_wrap():
+    """A ring is as long as the full buffers (slot = position, nothing moves) until it reaches
+    window + 1 + max_rollback; then it wraps as before. Every slot holds its own position
+    throughout, rows of different lengths included, and rollback stays exact on both sides."""
+    window, rollback = 40, 4
+    cache = KVCache([SLIDING, FULL], window, batch_size=2, max_rollback=rollback, step=16)
+    size = window + 1 + rollback
+    assert cache.ring_size == size and cache.nbytes == 0
+    rings = []
+    for i in range(30):
+        fill(cache, 3, chunk=3)
+        ring, full = cache.tracks[SLIDING].capacity, cache.tracks[FULL].capacity
+        rings.append(ring)
+        assert ring == min(full, size)
+        assert held(cache, SLIDING, 1)[-(window + 1):] == list(range(max(0, 3 * i + 3 - window - 1), 3 * i + 3))
+        if i % 4 == 3:
+            cache.rollback_to(cache.offset - mx.array([3, 1]))  # ragged rows
+            fill(cache, 1)
+    assert rings == sorted(rings) and len(set(rings)) >= 3 and rings[-1] == size  # grew in steps, then stopped
+    cache.rollback_to(cache.offset - rollback)
+    length = cache.offsets()[1]
+    assert held(cache, SLIDING, 1)[-(window + 1):] == list(range(length - window - 1, length))
+    assert held(cache, FULL, 0) == list(range(cache.offsets()[0]))
+
+
+def test_short_rows_hold_a_short_ring_and_join_longer_ones():
+    """Rows joining a batch, leaving it and resumed from a read state keep slot = position while
+    their rings are short."""
+    window = 40
+    short, long = (KVCache([SLIDING, FULL], window, max_rollback=4, step=16) for _ in range(2))
+    fill(short, 5)
+    fill(long, 60, chunk=20)
+    assert short.tracks[SLIDING].capacity == 16 < long.tracks[SLIDING].capacity == window + 5
+    long.extend(short)
+    assert held(long, SLIDING, 1) == list(range(5)) and held(long, SLIDING, 0) == list(range(60 - 45, 60))
+    long.select([1])
+    assert long.tracks[SLIDING].capacity == 16 and held(long, SLIDING) == list(range(5))
+    state = {kind: long.read(0, 5, kind) for kind in (FULL, SLIDING)}
+    resumed = KVCache([SLIDING, FULL], window, max_rollback=4, step=16)
+    resumed.resume(5, state[FULL], state[SLIDING])
+    fill(resumed, 3)
+    assert held(resumed, SLIDING) == list(range(8)) and held(resumed, FULL) == list(range(8))
+
+
+def test_growing_rings_give_the_same_tokens(monkeypatch):
+    """A model whose rings grow in many small steps (4 slots) past its window decodes
+    the same tokens as with whole rings, plain and with MTP (independently random drafter)."""
+    from conftest import tiny_drafter
+
+    from mlx_mtp import cache as cache_module
+    from mlx_mtp.generate import generate_tokens
+    from mlx_mtp.models import gemma4
+
+    target, prompt = tiny_target("dense"), reference("dense")["prompt"].tolist()[:5]
+    whole = [t for t, _ in generate_tokens(target, prompt, max_tokens=30)]
+    monkeypatch.setattr(gemma4, "KVCache", lambda *a, **k: cache_module.KVCache(*a, step=4, **k))
+    assert target.make_cache(1, 6).tracks[FULL].capacity == 0
+    grown = [t for t, _ in generate_tokens(target, prompt, max_tokens=30)]
+    mtp = [t for t, _ in generate_tokens(target, prompt, drafter=tiny_drafter("dense"), draft_tokens=3,
+                                         max_tokens=30)]
+    assert grown == whole and mtp == whole
