@@ -170,5 +170,7 @@ def test_realsize_mode_on_the_tiny_shape(tmp_path):
     assert res["plain"]["2"]["union_mean"] >= res["plain"]["1"]["union_mean"] == 2  # top-2 of 4 experts
     assert res["long_context"]["full_layers"] == 2 and res["long_context"]["full_bytes_per_token"] > 0
     assert "| greedy MTP == plain, B=2, 5 tokens | yes |" in md
-    assert main(argv) == 0  # reused, not rewritten
-    assert json.loads((out / "results.json").read_text())["results"][0]["checkpoint"]["written"] == {}
+    assert main(argv + ["--streams", "3"]) == 0  # reused, not rewritten
+    again = json.loads((out / "results.json").read_text())["results"][0]
+    assert again["checkpoint"]["written"] == {} and again["streams"] == 3 and again["mismatches"] == []
+    assert "quantized work on 3 CPU stream(s)" in (out / "results.md").read_text()

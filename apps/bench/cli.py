@@ -225,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--cache-limit-gb", type=float, default=0.5, help="MLX buffer cache limit during the run")
     r.add_argument("--max-rss-gb", type=float, default=17.0, help="abort once this process's RSS passes it (0: never)")
     r.add_argument("--seed", type=int, default=0, help="prompts")
+    r.add_argument("--streams", type=int, help="CPU streams that quantized work is spread over (default: one per core)")
     r.set_defaults(repeats=3)
     return ap
 

@@ -30,6 +30,7 @@ from mlx_mtp.cache import FULL
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
+from mlx_mtp.models.base import cpu_stream_count, using_streams
 from mlx_mtp.models.quantized import dequantize_rows
 from mlx_mtp.speculative import MAX_ROLLBACK
 
@@ -315,6 +316,11 @@ def _ints(text: str) -> list:
 
 
 def run_realsize(args, log=print) -> dict:
+    with using_streams(getattr(args, "streams", None)):
+        return _run(args, log)
+
+
+def _run(args, log) -> dict:
     if args.shape not in SHAPES:
         raise SystemExit(f"unknown shape {args.shape!r}: {', '.join(SHAPES)}")
     root = Path(args.cache_dir).expanduser()
@@ -327,7 +333,7 @@ def run_realsize(args, log=print) -> dict:
     rng = np.random.default_rng(args.seed)
     reset_peak_rss()
     res = dict(mode="realsize", device=str(mx.default_device()), shape=args.shape, bits=args.bits, checkpoint=info, load=load_res,
-               cache_limit_gb=args.cache_limit_gb, k=args.k, p=args.p, layers=target.config.num_hidden_layers,
+               cache_limit_gb=args.cache_limit_gb, streams=cpu_stream_count(), k=args.k, p=args.p, layers=target.config.num_hidden_layers,
                experts=target.config.num_experts, top_k=target.config.top_k_experts, vocab=target.vocab_size)
     mx.eval(target(mx.array([[5, 6, 7, 8]])).logits)  # warm-up (compiled helpers, the CPU probe)
     res["prefill"] = measure_prefill(target, _ints(args.prefill), rng, log)
@@ -419,7 +425,7 @@ def realsize_md(res: dict) -> str:
            f"Checkpoint {c['dir']}: target {c['target_gb']:.2f} GiB, assistant {c['assistant_gb']:.2f} GiB on disk "
            f"({written}); assistant config {c['assistant_config']}. Measured once each (real size is slow here); the "
            f"load average beside each figure is the 1-minute one when it was taken. MLX buffer cache limit "
-           f"{res['cache_limit_gb']} GiB.", "",
+           f"{res['cache_limit_gb']} GiB; quantized work on {res.get('streams', 1)} CPU stream(s).", "",
            table(["figure", "value", "load avg", "issue 22 target (26B-A4B)"], summary_rows(res)), ""]
     unions = [(B, r) for B, r in res["plain"].items() if r["union_per_layer"]]
     if unions:
