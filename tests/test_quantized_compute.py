@@ -43,12 +43,16 @@ def run(branch, fn):
         return out
 
 
-@pytest.fixture(scope="module")
-def quantized_moe():
-    model = copy.deepcopy(tiny_target("moe"))
+def quantized_tiny(variant: str):
+    model = copy.deepcopy(tiny_target(variant))
     quantize(model, {}, bits=4, group_size=32)
     mx.eval(model.parameters())
     return model
+
+
+@pytest.fixture(scope="module")
+def quantized_moe():
+    return quantized_tiny("moe")
 
 
 def test_quantize_and_load_give_backend_aware_layers(tmp_path, quantized_moe):
@@ -156,7 +160,7 @@ def test_greedy_mtp_equals_plain_on_the_quantized_moe(quantized_moe, branch):
 
 
 @pytest.mark.parametrize("streams", [1, 2])
-def test_dequantised_weights_are_not_held_together(streams):
+def test_dequantised_weights_are_not_held_together(streams, monkeypatch):
     """Forty experts each used by several rows: at most a round of experts (one per CPU stream)
     dequantised (fp32) at once, not all 120 projections (MLX alone would schedule the
     dequantisations first and hold most of them)."""
@@ -167,6 +171,7 @@ def test_dequantised_weights_are_not_held_together(streams):
     idx = mx.array(np.arange(240).reshape(1, 120, 2) % 40)  # every expert: 6 rows
     mx.eval(glu.parameters(), x, idx)
     one = 256 * 512 * 4  # bytes of one dequantised projection
+    monkeypatch.setattr(quantized, "SPLIT_WEIGHTS", 0)  # experts this small stay on one stream otherwise
     with using_streams(streams):
         mx.reset_peak_memory()
         base = mx.get_active_memory()
@@ -258,10 +263,7 @@ def test_a_forwards_tokens_per_row_are_its_own_threads():
 
 @pytest.fixture(scope="module")
 def quantized_dense():
-    model = copy.deepcopy(tiny_target("dense"))
-    quantize(model, {}, bits=4, group_size=32)
-    mx.eval(model.parameters())
-    return model
+    return quantized_tiny("dense")
 
 
 @pytest.mark.parametrize("variant,rows", [("moe", math.inf), ("moe", 1), ("dense", math.inf)])
@@ -296,3 +298,18 @@ def test_spreading_over_cpu_streams_changes_no_bit(quantized_moe, quantized_dens
         thread.join()
     for got in (three, elsewhere) if variant == "moe" else (three,):
         assert len(got) == 3 and all(np.array_equal(a, b) for a, b in zip(one, got))
+
+
+def test_work_too_small_to_spread_makes_no_stream(quantized_moe):
+    """Every product of the tiny MoE is below SPLIT_WEIGHTS: a thread running it on the CPU path
+    makes no stream of its own (streams live as long as the process)."""
+    made = len(quantized._made)
+
+    def forward():
+        with using_streams(3), force_fused(False):
+            mx.eval(quantized_moe(mx.array(reference("moe")["prompt"])[None, :12]).logits)
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join()
+    assert len(quantized._made) == made

@@ -68,6 +68,12 @@ def forward_tokens(n: int) -> Iterator[None]:
         _forward.tokens = before
 
 
+def _streams_for(weights: int) -> list:
+    """The streams to spread work over `weights` weights: this thread's CPU streams, or only its
+    default one for work too small to pay for the hand-over (no extra stream is made for it)."""
+    return cpu_streams() if weights >= SPLIT_WEIGHTS else [mx.default_stream(mx.cpu)]
+
+
 def cpu_streams() -> list:
     """This thread's CPU streams for quantized work, `cpu_stream_count()` of them: its default one
     and more (MLX streams belong to the thread that made them, so each thread makes its own, once)."""
@@ -147,7 +153,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optiona
     `split`: spread the output features over this thread's CPU streams (callers that spread
     whole products themselves, such as the experts, say no)."""
     x = x.astype(mx.float32)
-    streams = cpu_streams() if split and w.shape[0] * x.shape[-1] >= SPLIT_WEIGHTS else cpu_streams()[:1]
+    streams = _streams_for(w.shape[0] * x.shape[-1] if split else 0)
     if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
         step = -(-w.shape[0] // len(streams))
 
@@ -246,7 +252,7 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> 
     experts, starts = np.unique(flat[order], return_index=True)
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
-    streams, outs = cpu_streams(), []
+    streams, outs = _streams_for(glu.up_proj.weight.shape[1] * x.shape[-1]), []  # one expert projection's weights
     for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
         with mx.stream(streams[i % len(streams)]):
             xe = rows[start:end]
