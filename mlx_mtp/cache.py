@@ -5,12 +5,12 @@ and every mask is derived from positions, so causal and sliding masks, ragged ro
 drafter's own masks follow one rule. Slots are addressed by position: full-attention layers
 store position t in slot t (the buffer grows), sliding layers in slot t mod C of a ring of
 C = window + 1 + max_rollback slots (`ring_size`), which grows with the full buffers until it
-reaches C, so a short sequence holds no more than it uses. Rolling back is then only a matter of marking positions
-empty, which the speculative round does on the device (`rollback_to`) without the host ever
-reading how many drafts were accepted; a host-side `trim`/`rollback` checks that the positions
-it needs are still retained and either succeeds exactly or raises `CacheError`. A one-row cache
-can be read out by position and rebuilt at a length from such reads (`read`, `resume`), which is
-how the prefix cache stores and restores states.
+reaches C, so a short sequence holds no more than it uses. Rolling back is then only a matter of
+marking positions empty, which the speculative round does on the device (`rollback_to`) without
+the host ever reading how many drafts were accepted; a host-side `trim`/`rollback` checks that
+the positions it needs are still retained and either succeeds exactly or raises `CacheError`. A
+one-row cache can be read out by position and rebuilt at a length from such reads (`read`,
+`resume`), which is how the prefix cache stores and restores states.
 
 The host keeps an upper bound of each row's length (`bound`); it is exact until a device-side
 rollback, and `sync()` makes it exact again.

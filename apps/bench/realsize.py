@@ -333,8 +333,8 @@ def _run(args, log) -> dict:
     rng = np.random.default_rng(args.seed)
     reset_peak_rss()
     res = dict(mode="realsize", device=str(mx.default_device()), shape=args.shape, bits=args.bits, checkpoint=info, load=load_res,
-               cache_limit_gb=args.cache_limit_gb, streams=cpu_stream_count(), k=args.k, p=args.p, layers=target.config.num_hidden_layers,
-               experts=target.config.num_experts, top_k=target.config.top_k_experts, vocab=target.vocab_size)
+               cache_limit_gb=args.cache_limit_gb, streams=cpu_stream_count(), k=args.k, p=args.p,
+               layers=target.config.num_hidden_layers, experts=target.config.num_experts, top_k=target.config.top_k_experts, vocab=target.vocab_size)
     mx.eval(target(mx.array([[5, 6, 7, 8]])).logits)  # warm-up (compiled helpers, the CPU probe)
     res["prefill"] = measure_prefill(target, _ints(args.prefill), rng, log)
     batches = sorted(set(_ints(args.batch)) | set(_ints(args.mtp_batch)))

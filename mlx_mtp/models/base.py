@@ -188,8 +188,9 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
-    CPU streams quantized work is spread over are part of the key. Compiled functions are per module object and per thread (MLX keeps traces per thread),
-    their traces bounded in number (`jit.Bounded`).
+    CPU streams quantized work is spread over are part of the key. Compiled functions are per
+    module object and per thread (MLX keeps traces per thread), their traces bounded in number
+    (`jit.Bounded`).
     """
 
     @functools.wraps(method)
