@@ -15,7 +15,10 @@ Gemma 4 writes reasoning as `<|channel>thought\\n...<channel|>` and a tool call 
 `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`, all control tokens, so the output
 must be decoded with them kept. `OutputParser` never releases part of a call: a call comes out
 whole once its close tag (or the next call, or the end of the output) arrives, or, if it does
-not parse, as the text the model wrote.
+not parse, as the text the model wrote less its control tokens (no text ever holds one).
+
+`render(..., as_generated=True)` renders a history the way the model generated it (see
+`render_generated`), where Gemma 4's template re-renders replies otherwise.
 """
 
 from __future__ import annotations
@@ -106,22 +109,25 @@ class Prompt(NamedTuple):
 
 def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
            enable_thinking: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-           template_kwargs: Optional[Mapping] = None) -> Prompt:
+           template_kwargs: Optional[Mapping] = None, as_generated: bool = False) -> Prompt:
     """Render `messages` (and `tools`) with the tokenizer's chat template, as transformers'
     `apply_chat_template` does, and tokenize the text (the template writes `<bos>` itself).
 
     `continue_final_message`: the last (assistant) message is left open for the model to go on.
+    `as_generated`: earlier replies render as the model generated them (`render_generated`).
 
     Raises:
         ValueError: malformed messages or tools, or the template refused them.
     """
-    text = render_text(tokenizer, messages, tools, enable_thinking=enable_thinking,
-                       add_generation_prompt=add_generation_prompt and not continue_final_message,
-                       continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    options = dict(enable_thinking=enable_thinking, continue_final_message=continue_final_message,
+                   template_kwargs=template_kwargs)
+    text = render_generated(tokenizer, messages, tools, **options) if as_generated and add_generation_prompt \
+        else None
+    if text is None:
+        text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
+                           and not continue_final_message, **options)
     tokens = list(tokenizer.encode(text, add_special_tokens=False))
-    start = text.rfind(CHANNEL)  # a channel left open in the generation prompt (after the last turn tag)
-    is_open = start > max(text.rfind(CHANNEL_END), text.rfind("<|turn>"))
-    return Prompt(text, tokens, text[start + len(CHANNEL):] if is_open else None)
+    return Prompt(text, tokens, _open_channel(text))  # a channel the generation prompt left open
 
 
 def render_text(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
@@ -185,10 +191,152 @@ def check_tools(tools: Any) -> None:
             raise ValueError(f"tools[{i}].function.parameters must be an object (a JSON schema)")
 
 
+def has_tool_calls(tokenizer) -> bool:
+    """Whether the tokenizer's chat template can say Gemma 4's tool calls."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and TOOL_CALL in template
+
+
+def token_id(tokenizer, text: str) -> Optional[int]:
+    """The id of the token spelled `text` (a control token), or None where the vocabulary has none."""
+    return tokenizer.get_vocab().get(text) if tokenizer is not None else None
+
+
 def stop_tokens(tokenizer) -> set[int]:
     """Ids of the tokens that end a Gemma 4 reply, where the vocabulary has them."""
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     return {vocab[t] for t in STOP_TOKENS if t in vocab}
+
+
+# ---- histories as the model generated them -------------------------------------------------------
+#
+# Gemma 4's template re-renders an earlier reply unlike the tokens the model wrote: text after the
+# tool responses instead of before the calls, no empty thought channel where the generation prompt
+# had one, arguments in sorted order, a trimmed answer, and a model turn left open before the
+# user's next text. The model then reads a turn it did not write, and the prefix cache parts
+# ways inside every such turn. So the head (everything before the first reply) is the template's
+# own, and what follows is written here: each reply as generated after the generation prompt the
+# template gave it, the tool responses after it in the template's block syntax, and a closed
+# model turn before the next user or system message.
+
+TURN, TURN_END = "<|turn>", "<turn|>"
+
+
+def render_generated(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
+                     enable_thinking: bool = False, continue_final_message: bool = False,
+                     template_kwargs: Optional[Mapping] = None) -> Optional[str]:
+    """The prompt text of `messages` with earlier replies as the model generated them (see
+    above), ending with the generation prompt; None where the template's own rendering stands
+    (not Gemma 4's template, no reply in the history, or a history that starts with one)."""
+    first = next((i for i, m in enumerate(messages) if isinstance(m, Mapping)
+                  and m.get("role") in ("assistant", "tool")), None)
+    template = getattr(tokenizer, "chat_template", None)
+    if not first or not isinstance(template, str) or TOOL_CALL not in template or TURN not in template \
+            or any("tool_responses" in m for m in messages):
+        return None
+    check_messages(messages)
+    options = dict(enable_thinking=enable_thinking, template_kwargs=template_kwargs)
+    head = render_text(tokenizer, messages[:first], tools, add_generation_prompt=False, **options)
+    openers = _openers(tokenizer, **options)
+    return head + _turns(messages[first:], openers, continue_final_message)
+
+
+def _openers(tokenizer, **options) -> tuple[str, str]:
+    """The template's generation prompts: after a user's turn, and after tool responses."""
+    user = [{"role": "user", "content": "x"}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "0", "type": "function", "function": {"name": "f", "arguments": {}}}]}
+    after_tool = [*user, call, {"role": "tool", "tool_call_id": "0", "content": "y"}]
+    out = []
+    for probe in (user, after_tool):
+        base = render_text(tokenizer, probe, add_generation_prompt=False, **options)
+        full = render_text(tokenizer, probe, add_generation_prompt=True, **options)
+        if not full.startswith(base):
+            raise ValueError("the chat template's generation prompt rewrites the conversation before it")
+        out.append(full[len(base):])
+    return out[0], out[1]
+
+
+def _turns(messages: Sequence[Mapping], openers: tuple[str, str], continue_final: bool) -> str:
+    after_user, after_tool = openers
+    out, in_turn, names = [], False, {}  # in_turn: a model turn is open (it made calls)
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "assistant":
+            opener = after_tool if in_turn else after_user
+            calls = m.get("tool_calls") or []
+            out.append(_reply(m, opener))
+            if continue_final and i == len(messages) - 1:
+                return "".join(out)  # left open for the model to go on
+            names = {c.get("id"): c["function"]["name"] for c in calls}
+            in_turn = bool(calls)
+            out.append("" if calls else TURN_END + "\n")
+        elif role == "tool":
+            name = names.get(m.get("tool_call_id")) or m.get("name") or "unknown"
+            out.append(_tool_response(name, m.get("content")))
+            in_turn = True
+        else:
+            out.append((TURN_END + "\n" if in_turn else "") + f"{TURN}{role}\n{_text(m.get('content')).strip()}"
+                       f"{TURN_END}\n")
+            in_turn = False
+    return "".join(out) + (after_tool if in_turn else after_user)
+
+
+def _reply(message: Mapping, opener: str) -> str:
+    """A reply as generated after `opener` (the generation prompt it followed): reasoning, answer
+    text, then its calls."""
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    empty = CHANNEL + THOUGHT + CHANNEL_END  # what a generation prompt with thinking off may close at once
+    if _open_channel(opener) is not None:  # the generation prompt opened the reasoning channel
+        head = reasoning + CHANNEL_END
+    elif reasoning:  # (thought with thinking on, where this prompt has it off: its thought, not an empty one)
+        head = CHANNEL + THOUGHT + reasoning + CHANNEL_END
+        opener = opener.removesuffix(empty)
+    else:
+        head = ""
+    calls = "".join(call_text(c["function"]["name"], c["function"].get("arguments") or {})
+                    for c in message.get("tool_calls") or [])
+    return opener + head + _text(message.get("content")) + calls
+
+
+def call_text(name: str, arguments: Mapping) -> str:
+    """A tool call in Gemma 4's syntax, its arguments in their given order (the model's)."""
+    return f"{TOOL_CALL}call:{name}{_argument(dict(arguments))}{TOOL_CALL_END}"
+
+
+def _argument(value: Any) -> str:
+    """A value as the template's `format_argument` writes it (keys bare, in the given order)."""
+    if isinstance(value, str):
+        return QUOTE + value + QUOTE
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_argument(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_argument(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _tool_response(name: str, content: Any) -> str:
+    """The template's `format_tool_response_block`."""
+    if isinstance(content, Mapping):
+        body = ",".join(f"{k}:{_argument(content[k])}" for k in sorted(content))
+    else:
+        body = "value:" + _argument(_text(content))
+    return f"{TOOL_RESPONSE}response:{name}{{{body}}}{TOOL_RESPONSE_END}"
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, (list, tuple)):  # text parts
+        return "".join(p.get("text") or "" for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return content or ""
+
+
+def _open_channel(text: str) -> Optional[str]:
+    """The text after a reasoning channel `text` leaves open (after its last turn tag), or None."""
+    start = text.rfind(CHANNEL)
+    is_open = start >= 0 and start > max(text.rfind(CHANNEL_END), text.rfind(TURN))
+    return text[start + len(CHANNEL):] if is_open else None
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -203,8 +351,10 @@ class OutputParser:
             text of the channel (see `Prompt.open`); None: it starts as content.
 
     Text that may be the start of a control tag is held back until the next piece decides.
-    Stray tags (a close tag with no open one, a tool response the model should not write) are
-    dropped. A call that does not parse comes back as the text the model wrote.
+    Stray tags (a close tag with no open one, a tool response the model should not write, a call
+    where no tools were given) are dropped and `<|"|>` becomes `"`: no text holds a control token.
+    A call that does not parse comes back as the text the model wrote, less its control tokens;
+    one the output's end cuts short (`finish(cut=True)`) is dropped.
     """
 
     def __init__(self, tools: bool = True, reasoning: Optional[str] = None):
@@ -214,7 +364,7 @@ class OutputParser:
         self.buf = ""
         self.calls = 0
         self._scan, self._quoted = 0, False  # how far a call's body was scanned, inside a string there
-        tags = (CHANNEL, *STRAY) + ((TOOL_CALL, *TOOL_STRAY) if tools else ())
+        tags = (CHANNEL, QUOTE, *STRAY, TOOL_CALL, *TOOL_STRAY)
         self._tags = {"content": tags, "reasoning": tags}
 
     def feed(self, text: str) -> list[Delta]:
@@ -224,13 +374,14 @@ class OutputParser:
             pass
         return merge(out)
 
-    def finish(self) -> list[Delta]:
-        """What is still held back, once the output has ended."""
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """What is still held back, once the output has ended (`cut`: by its token budget, so
+        a call still open is dropped unless its arguments are complete)."""
         out: list[Delta] = []
         while self._step(out, final=True):
             pass
         if self.state == "call":
-            self._end_call(out, self.buf)
+            self._end_call(out, self.buf, drop=cut)
         elif self.buf:
             out.append(Delta(self.state, self.buf))
         self.buf, self.state = "", "content"
@@ -260,8 +411,10 @@ class OutputParser:
             self.state, self.label = "reasoning", THOUGHT
         elif tag == CHANNEL_END and self.state == "reasoning":
             self.state = "content"
-        elif tag == TOOL_CALL:
+        elif tag == TOOL_CALL and self.tools:
             self.state, self._scan, self._quoted = "call", 0, False
+        elif tag == QUOTE:
+            out.append(Delta(self.state, '"'))
         return True
 
     def _step_call(self, out: list) -> bool:
@@ -279,7 +432,7 @@ class OutputParser:
                 continue
             tag = None if self._quoted else next((t for t in CALL_ENDS if rest.startswith(t)), None)
             if tag is not None:
-                self._end_call(out, buf[:i], tag if tag == TOOL_CALL_END else "")
+                self._end_call(out, buf[:i])
                 self.buf = rest if tag == TOOL_CALL else rest[len(tag):]  # a next call starts afresh
                 self.state = "content"
                 return True
@@ -289,16 +442,25 @@ class OutputParser:
         self._scan = i
         return False
 
-    def _end_call(self, out: list, body: str, close: str = "") -> None:
+    def _end_call(self, out: list, body: str, drop: bool = False) -> None:
         parsed = parse_call(body)
-        if parsed is None:  # not a call after all: what the model wrote is the answer
-            out.append(Delta("content", TOOL_CALL + body + close))
+        if parsed is None:  # not a call after all (or cut short): what the model wrote is the answer
+            if not drop:
+                out.append(Delta("content", plain(body)))
             return
         name, arguments, rest = parsed
         out.append(Delta("tool_call", call=ToolCall(name, arguments, self.calls)))
         self.calls += 1
         if rest.strip():
-            out.append(Delta("content", rest))
+            out.append(Delta("content", plain(rest)))
+
+
+def plain(text: str) -> str:
+    """`text` without control tokens: tags dropped, Gemma's string quote as `"`."""
+    text = text.replace(QUOTE, '"')
+    for tag in (CHANNEL, *STRAY, TOOL_CALL, *TOOL_STRAY):
+        text = text.replace(tag, "")
+    return text
 
 
 def parse(text: str, tools: bool = True, reasoning: Optional[str] = None) -> Reply:

@@ -115,6 +115,48 @@ def test_a_template_refusal_or_deep_nesting_is_a_value_error(tokenizers):
             {"type": "function", "function": {"name": "f", "arguments": {}}}]}], continue_final_message=True)
 
 
+# ---- histories as generated ----------------------------------------------------------------------
+
+GET_TIME = [{"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}, "fmt": {"type": "string"}}}}}]
+
+
+def generate(prompt, reply: str) -> tuple[dict, str]:
+    """The assistant message a client sends back for `reply` (the model's output after `prompt`,
+    ending with its stop token), and the text the model's state holds after it (less the stop)."""
+    message = parse(reply, reasoning=prompt.open).message()
+    stop = "<|tool_response>" if reply.endswith("<|tool_response>") else "<turn|>"
+    return message, prompt.text + reply.removesuffix(stop)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+@pytest.mark.parametrize("thinking", [False, True], ids=["off", "on"])
+def test_a_history_renders_as_the_model_generated_it(tokenizers, template, thinking):
+    """Text before calls (untrimmed), arguments in the model's order, thinking, tool responses,
+    a reminder beside them and the next user turn: each prompt extends the last one's state."""
+    tok, think = tokenizers(template), "<|channel>thought\nLet me see.<channel|>" if thinking else ""
+    kw = dict(tools=GET_TIME, enable_thinking=thinking, as_generated=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time in UTC?"}]
+    prompt = render(tok, messages, **kw)
+    assert prompt.text == render(tok, messages, GET_TIME, enable_thinking=thinking).text  # no history: the template
+    call = '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>,fmt:<|"|>24h<|"|>}<tool_call|><|tool_response>'
+    turns = [(think + " I will look.\n" + call, [{"role": "tool", "content": "12:00"}]),
+             ("Again." + call, [{"role": "tool", "content": "12:01"},
+                                {"role": "user", "content": "<system-reminder>Be quick.</system-reminder>"}]),
+             (think + "It is 12:01.<turn|>", [{"role": "system", "content": "Mind the user."},
+                                              {"role": "user", "content": " Thanks! "}]),
+             (think + "You are welcome.<turn|>", [])]
+    for i, (reply, after) in enumerate(turns):
+        message, state = generate(prompt, (prompt.open is not None) * "Thinking.<channel|>" + reply)
+        messages += [message, *[{**m, "tool_call_id": "call_0"} for m in after]]
+        prompt = render(tok, messages, **kw)
+        assert prompt.text.startswith(state), (template, i, prompt.text[len(state) - 60:], state[-60:])
+    assert prompt.text.count("<|turn>model") == 4 and "<|turn>system\nMind the user.<turn|>" in prompt.text
+    assert '<tool_response|><turn|>\n<|turn>user\n<system-reminder>' in prompt.text  # the model turn closed
+    partial = render(tok, messages + [{"role": "assistant", "content": "You"}], **kw, continue_final_message=True)
+    assert partial.text == prompt.text + "You"  # an answer continued (Anthropic's prefill)
+
+
 # ---- parsing -------------------------------------------------------------------------------------
 
 
@@ -135,7 +177,7 @@ WEATHER = ToolCall("get_weather", {"city": "Paris", "n": 3}, 0)
 CASES_PARSE = [
     ("plain text", {}, [Delta("content", "plain text")]),
     ("<|channel>thought\nHmm, {x} <|\"|>.<channel|>The answer.", {},
-     [Delta("reasoning", 'Hmm, {x} <|"|>.'), Delta("content", "The answer.")]),
+     [Delta("reasoning", 'Hmm, {x} ".'), Delta("content", "The answer.")]),  # no control token in text
     ('Sure.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,n:3}<tool_call|>', {},
      [Delta("content", "Sure."), Delta("tool_call", call=WEATHER)]),
     # braces, quotes, commas and tags inside strings; nested objects and lists; every scalar
@@ -149,12 +191,10 @@ CASES_PARSE = [
     # a call with no close tag, followed by the next call
     ('<|tool_call>call:a{x:1}<|tool_call>call:b{y:2}<tool_call|>', {},
      [Delta("tool_call", call=ToolCall("a", {"x": 1}, 0)), Delta("tool_call", call=ToolCall("b", {"y": 2}, 1))]),
-    # malformed calls come back as what the model wrote
-    ('Oops <|tool_call>call:f{a:<|"|>never closed', {},
-     [Delta("content", 'Oops <|tool_call>call:f{a:<|"|>never closed')]),
-    ("<|tool_call>not a call<tool_call|> then text", {},
-     [Delta("content", "<|tool_call>not a call<tool_call|> then text")]),
-    ("<|tool_call>call:f{a:1,,}<tool_call|>", {}, [Delta("content", "<|tool_call>call:f{a:1,,}<tool_call|>")]),
+    # malformed calls come back as what the model wrote, less its control tokens
+    ('Oops <|tool_call>call:f{a:<|"|>never closed', {}, [Delta("content", 'Oops call:f{a:"never closed')]),
+    ("<|tool_call>not a call<tool_call|> then text", {}, [Delta("content", "not a call then text")]),
+    ("<|tool_call>call:f{a:1,,}<tool_call|>", {}, [Delta("content", "call:f{a:1,,}")]),
     # the `call:` prefix missing: repaired
     ("<|tool_call>f{a:1}<tool_call|>", {}, [Delta("tool_call", call=ToolCall("f", {"a": 1}, 0))]),
     # stray tags are dropped: a close tag after a call, a tool response, a lone channel close
@@ -163,8 +203,8 @@ CASES_PARSE = [
     # a call inside the reasoning ends it
     ('<|channel>thought\nI will call.<|tool_call>call:f{}<tool_call|>', {},
      [Delta("reasoning", "I will call."), Delta("tool_call", call=ToolCall("f", {}, 0))]),
-    # without tools the call syntax is text
-    ("<|tool_call>call:f{}<tool_call|>", {"tools": False}, [Delta("content", "<|tool_call>call:f{}<tool_call|>")]),
+    # without tools the call syntax is text, less its control tokens
+    ('<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>', {"tools": False}, [Delta("content", 'call:f{a:"x"}')]),
     # text that only looks like the start of a tag is released at the end
     ("a <| b <|tool", {}, [Delta("content", "a <| b <|tool")]),
     # output that starts inside a channel the prompt opened (with or without its label)
@@ -179,6 +219,14 @@ CASES_PARSE = [
 @pytest.mark.parametrize("cut", [0, 1, 2, 5])
 def test_output_parser(text, kwargs, expected, cut):
     assert merged(stream(text, cut, **kwargs)) == expected
+
+
+def test_a_call_cut_by_the_budget_is_dropped_unless_its_arguments_are_complete():
+    for text, expected in [('Let me edit.<|tool_call>call:Edit{path:<|"|>a.py<|"|>,new:<|"|>def f', []),
+                           ("<|tool_call>call:f{a:1}", [Delta("tool_call", call=ToolCall("f", {"a": 1}, 0))])]:
+        parser = OutputParser()
+        deltas = parser.feed(text)
+        assert merged(deltas + parser.finish(cut=True)) == [Delta("content", "Let me edit.")] * bool(deltas) + expected
 
 
 def test_a_call_is_released_whole_and_only_when_complete():

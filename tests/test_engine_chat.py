@@ -21,9 +21,9 @@ EXPECTED = {  # (user message, thinking) -> the reply's parts
         Delta("tool_call", call=ToolCall("get_weather", {"city": "Oslo"}, 0)),
         Delta("tool_call", call=ToolCall("get_weather", {"city": "Rome"}, 1))],
     ("Now show me a broken tool call.", False): [
-        Delta("content", 'Trying.<|tool_call>call:get_weather{city:<|"|>Lyon}<tool_call|> oops')],
+        Delta("content", 'Trying.call:get_weather{city:"Lyon} oops')],  # less its control tokens
     ("Now use some other call syntax.", False): [
-        Delta("content", "Sure: <|tool_call>get_weather(city=Nice)<tool_call|>")],
+        Delta("content", "Sure: get_weather(city=Nice)")],
     ("What time is it in UTC, please?", False): [Delta("tool_call", call=ToolCall("get_time", {"zone": "UTC"}))],
     ("Tell me a short story about a robot.", False): [Delta("content", STORY)],
 }
