@@ -41,7 +41,23 @@ SEEDED_K = 3  # draft length of a seeded, sampled row under "auto" (see `insert`
 
 
 class ContextLengthError(ValueError):
-    """A prompt (plus generation) that does not fit the model's context."""
+    """A prompt (plus generation) that does not fit the model's context: `prompt_tokens`, the
+    `context` length and, where the request's whole budget had to fit, its `max_tokens`."""
+
+    def __init__(self, message: str, prompt_tokens: Optional[int] = None, context: Optional[int] = None,
+                 max_tokens: Optional[int] = None):
+        super().__init__(message)
+        self.prompt_tokens, self.context, self.max_tokens = prompt_tokens, context, max_tokens
+
+
+def check_fits(prompt_tokens: int, context: int, max_tokens: Optional[int] = None) -> None:
+    """Raise ContextLengthError unless a prompt leaves room for a token (and for `max_tokens`)."""
+    if prompt_tokens >= context:
+        raise ContextLengthError(f"prompt of {prompt_tokens} tokens does not fit the model's context of {context} "
+                                 "tokens", prompt_tokens, context)
+    if max_tokens is not None and prompt_tokens + max_tokens > context:
+        raise ContextLengthError(f"prompt of {prompt_tokens} tokens and max_tokens {max_tokens} exceed the model's "
+                                 f"context of {context} tokens", prompt_tokens, context, max_tokens)
 
 
 @dataclasses.dataclass
@@ -186,9 +202,7 @@ class BatchGenerator:
         if int(max_tokens) != max_tokens or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         draft = draft_tokens if draft_tokens == "auto" else check_draft_tokens(draft_tokens)
-        if len(ids) >= self.limit:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens does not fit the model's context of {self.limit} tokens")
+        check_fits(len(ids), self.limit)
         uid = self._uids
         value = _seed(seed) if seed is not None else self.lockstep.seed(self, uid)
         marks = frozenset(b for b in boundaries if 0 < b < len(ids)) | {len(ids) - 1, len(ids)}
@@ -239,6 +253,15 @@ class BatchGenerator:
         self._cancelled.append(row)
         if row in self.pending:
             self.pending.remove(row)
+            self._keep_prefill(row)
+
+    def _keep_prefill(self, row: _Row) -> None:
+        """Leave what a cancelled row's prefill computed in the prefix cache, so a retry resumes
+        there: its chunks end on the grid (or at marks), as the retry's will."""
+        if self.prefix is not None and row.cache is not None and row.fed > row.start:
+            if self.prefix.store(row.prompt[: row.fed], row.cache) is not None:
+                row.stats.stored_tokens = row.fed - row.start
+        row.cache = None
 
     def remove(self, uid: int, taken: Optional[int] = None) -> None:
         """Take a row out now (cancelling it if it still runs); with a prefix cache, the state
@@ -485,6 +508,7 @@ class BatchGenerator:
         row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
         if self.prefix is not None:
             row.start = row.fed = self.prefix.resume(row.prompt, row.cache)
+        row.stats.cached_tokens = row.start  # known from here on
 
     def _chunk_end(self, row: _Row) -> int:
         """Where the next chunk ends: on a grid of positions, so that a prompt resumed at a state
@@ -495,9 +519,12 @@ class BatchGenerator:
 
     def _reached(self, row: _Row, fed: int) -> None:
         """The cache now holds `fed` prompt tokens: leave the state there if it is marked."""
+        self.stats.prompt_tokens += fed - row.fed  # as it is done, so cancelled prefills count too
         row.fed = fed
         if self.prefix is not None and fed in row.marks:
             row.pinned.append(self.prefix.store(row.prompt[:fed], row.cache, pin=row.owner))
+            if row.pinned[-1] is not None:
+                row.stats.stored_tokens = fed - row.start
 
     def _join(self, row: _Row, state: BatchState) -> None:
         if self.cache is None:
@@ -524,7 +551,6 @@ class BatchGenerator:
             lp = row.first_logprobs
             lp = row_logprobs(tuple(None if a is None else a.tolist() for a in lp), 0, 1, top) if top is not None else None
             row.stats.prompt_tokens, row.stats.cached_tokens = row.fed - row.start, row.start
-            self.stats.prompt_tokens += row.fed - row.start
             self.stats.cached_tokens += row.start
             row.stats.prompt_seconds = row.stats.first_token_seconds = time.perf_counter() - row.began
             self.stats.prompt_seconds += row.stats.prompt_seconds

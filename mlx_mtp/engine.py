@@ -30,7 +30,7 @@ import threading
 from typing import Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 from . import chat_format, memory
-from .batch import BatchGenerator
+from .batch import BatchGenerator, check_fits
 from .cache import FULL, SLIDING
 from .chat_format import Delta, OutputParser, Reply
 from .conversation import Conversation, Turn
@@ -44,6 +44,7 @@ from .stats import Stats
 from .threads import mark_mlx_thread
 
 log = logging.getLogger(__name__)
+BAN = -1e9  # the logit bias that bans a token
 
 
 class QueueFull(RuntimeError):
@@ -66,10 +67,14 @@ class Request:
     assistant, message is continued rather than answered). Tool calls are parsed only when
     `tools` are given.
 
+    `allow_tool_calls=False` keeps the `tools` declared but bans the token that opens a call.
+    Earlier replies in `messages` render as the model generated them (`chat_format.render_generated`).
     `penalties` (presence, frequency, repetition, logit bias) and `grammar` (what the reply must
     match: a JSON schema, a regex, a grammar, tool calls; after the reasoning, when thinking is on)
     process the logits, exactly under speculative decoding; `logprobs` (0..20 alternatives)
-    reports each token's log-probability (see `processors`).
+    reports each token's log-probability (see `processors`). `submit` refuses a prompt that leaves
+    no room in the context (`ContextLengthError`), and with `fit_max_tokens` one whose `max_tokens`
+    would pass it (else the reply stops there, with "length").
     """
 
     prompt: Union[str, Sequence[int], None] = None
@@ -87,6 +92,8 @@ class Request:
     penalties: Penalties = NONE
     grammar: Optional[Grammar] = None
     logprobs: Optional[int] = None
+    allow_tool_calls: bool = True
+    fit_max_tokens: bool = False
 
     def check(self) -> None:
         if self.conversation is not None:
@@ -187,8 +194,9 @@ class RequestHandle:
         self._seen_last = False
         self._prepared: Optional[tuple] = None  # a one-shot request's prompt, turn ends, output parser, reasoning
         self._grammar = None  # the request's grammar state (`grammar.Matcher`)
-        self.prompt_tokens: Optional[int] = None  # the prompt's length, once the request started
+        self.prompt_tokens: Optional[int] = None  # the prompt's length (a conversation's: once it started)
         self.cached_tokens: Optional[int] = None  # of which restored from the prefix cache, by its first token
+        self.stats = Stats()  # the row's, as it runs (`stats.cached_tokens` is known once its prefill begins)
 
     def cancel(self) -> None:
         """Stop the request at the next round boundary; its stream ends with a "cancelled"
@@ -258,12 +266,12 @@ class _Running:
     tokens: list = dataclasses.field(default_factory=list)
     kv_bytes: int = 0
 
-    def token_event(self, text: str, token: int, from_draft: bool, last: bool,
+    def token_event(self, text: str, token: int, from_draft: bool, finish: Optional[str],
                     logprob: Optional[TokenLogprob] = None) -> TokenEvent:
         if self.parser is None:
             parts = [Delta("content", text)] if text else []
-        else:
-            parts = self.parser.feed(text) + (self.parser.finish() if last else [])
+        else:  # a call the budget cuts short is dropped
+            parts = self.parser.feed(text) + (self.parser.finish(cut=finish == "length") if finish else [])
         self.reply.add(parts)
         self.tokens.append(token)
         return TokenEvent("".join(p.text for p in parts if p.kind == "content"), token, from_draft, tuple(parts),
@@ -314,13 +322,13 @@ class Engine:
         self.loaded = loaded
         self.max_batch, self.max_queue = max_batch, max_queue
         self.memory = memory.plan(loaded.target, loaded.drafter)
-        log.info("%s", self.memory.describe())
         self.memory_limit = memory_limit if memory_limit is not None else self.memory.kv_limit
         if prompt_cache_bytes is None:
             prompt_cache_bytes = min(self.memory.prefix_cache, self.memory_limit)
         if prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
         self.prompt_cache_bytes = prompt_cache_bytes
+        log.info("%s", self.memory.describe(prompt_cache_bytes))
         self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -331,6 +339,7 @@ class Engine:
         self._running: dict[int, _Running] = {}  # row uid -> request (worker side)
         self._metrics = {"requests_total": 0, "requests_waiting": 0, "requests_running": 0}
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token -> its text and bytes (worker side)
+        self._call_token = chat_format.token_id(loaded.tokenizer, chat_format.TOOL_CALL)  # banned where asked
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlx_mtp-engine", daemon=True)
         self._thread.start()
@@ -349,6 +358,10 @@ class Engine:
         """
         request.check()
         prepared = self._prompt(request) if request.conversation is None else None
+        if prepared is not None:
+            check_fits(len(prepared[0]), self.loaded.target.config.max_position_embeddings,
+                       request.max_tokens if request.fit_max_tokens else None)
+            request = self._ban_calls(request)
         grammar = self._matcher(request, prepared[3] if prepared else None)
         with self._lock:
             self._check_open()
@@ -358,6 +371,7 @@ class Engine:
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             handle = RequestHandle(next(self._ids), request, request.conversation)
             handle._prepared, handle._grammar = prepared, grammar
+            handle.prompt_tokens = len(prepared[0]) if prepared else None
             self._live.add(handle)
             self._metrics["requests_waiting"] += 1
             self._metrics["requests_total"] += 1
@@ -545,7 +559,7 @@ class Engine:
                 uid = conversation.insert(self._gen, turn, **options)
             else:
                 uid = self._gen.insert(prompt, max_tokens=max_tokens, stop_ids=self.loaded.eos_ids,
-                                       boundaries=boundaries, **options)
+                                       boundaries=boundaries, stats=handle.stats, **options)
         except Exception as e:
             if turn is not None:
                 conversation.end(turn, [])
@@ -577,10 +591,18 @@ class Engine:
         rendered = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
                                       enable_thinking=request.enable_thinking,
                                       continue_final_message=request.continue_final_message,
-                                      template_kwargs=request.chat_template_kwargs)
+                                      template_kwargs=request.chat_template_kwargs, as_generated=True)
         boundaries = chat_format.turn_ends(rendered.tokens, self.loaded.eos_ids)
         reasoning = True if rendered.open is not None else (False if request.enable_thinking else None)
         return rendered.tokens, boundaries, rendered.parser(tools=bool(request.tools)), reasoning
+
+    def _ban_calls(self, request: Request) -> Request:
+        """`request` with the token that opens a tool call banned, where it declares tools it
+        does not allow calls of (a logit bias: exact under speculative decoding)."""
+        if not request.tools or request.allow_tool_calls or self._call_token is None:
+            return request
+        bias = (*request.penalties.logit_bias, (self._call_token, BAN))
+        return dataclasses.replace(request, penalties=dataclasses.replace(request.penalties, logit_bias=bias))
 
     def _matcher(self, request: Request, reasoning: Optional[bool]):
         """The request's grammar state, its grammar after the reasoning where the reply may
@@ -629,7 +651,7 @@ class Engine:
                 run.handle.cached_tokens = event.stats.cached_tokens  # known before its first token goes out
             for e in run.detok.events(event):
                 logprob = self._logprob(e.token, e.logprob)
-                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, bool(e.finish_reason), logprob))
+                run.handle._events.put(run.token_event(e.text, e.token, e.from_draft, e.finish_reason, logprob))
             if event.finish_reason:
                 done = run.done(event.finish_reason, dataclasses.replace(event.stats))
                 self._gen.remove(event.uid)

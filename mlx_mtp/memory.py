@@ -78,16 +78,18 @@ class MemoryPlan:
         """The weights alone take (nearly) all the memory the device should use."""
         return self.model_bytes > TIGHT * self.device.budget
 
-    def describe(self) -> str:
-        """One line for start-up logs."""
+    def describe(self, prefix_cache: Optional[int] = None) -> str:
+        """One line for start-up logs (`prefix_cache`: the budget in use, when not the plan's)."""
         d = self.device
         limits = "wired and buffer cache limits left alone (CPU)"
         if self.wired_limit is not None:
             limits = (f"wired limit {size(self.wired_limit)}, buffer cache limit {size(self.cache_limit)} "
                       "while generating")
         working_set = f", working set {size(d.working_set)}" if d.working_set else ""
+        budget = self.prefix_cache if prefix_cache is None else prefix_cache
+        prefix = size(budget) if budget else "off"
         return (f"memory: {d.name}, {size(d.memory)}{working_set}; weights {size(self.model_bytes)}; "
-                f"KV cache limit {size(self.kv_limit)}, prefix cache {size(self.prefix_cache)}; {limits}")
+                f"KV cache limit {size(self.kv_limit)}, prefix cache {prefix}; {limits}")
 
 
 def plan(*models, device: Optional[Device] = None) -> MemoryPlan:

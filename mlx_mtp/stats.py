@@ -10,6 +10,7 @@ from typing import Any
 class Stats:
     prompt_tokens: int = 0  # prompt tokens prefilled
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead
+    stored_tokens: int = 0  # of the prompt tokens prefilled, those left in the prefix cache for later requests
     prompt_seconds: float = 0.0
     first_token_seconds: float = 0.0  # from the call to the first emitted token
     decode_seconds: float = 0.0

@@ -86,10 +86,13 @@ def test_cancel_mid_stream_keeps_the_partial_reply(loaded, engine):
 
 
 def test_errors_are_delivered_and_the_engine_goes_on(engine):
-    failed = engine.submit(Request(list(range(4, 100)) * 6, max_tokens=5))  # 576 > 512 tokens
-    events = list(failed.events(WAIT))
-    assert len(events) == 1 and events[0].kind == "error"
-    assert isinstance(events[0].error, mlx_mtp.ContextLengthError)
+    with pytest.raises(mlx_mtp.ContextLengthError) as e:  # refused before it is queued
+        engine.submit(Request(list(range(4, 100)) * 6, max_tokens=5))  # 576 > 512 tokens
+    assert (e.value.prompt_tokens, e.value.context, e.value.max_tokens) == (576, 512, None)
+    with pytest.raises(mlx_mtp.ContextLengthError) as e:  # Anthropic's rule: the whole budget must fit
+        engine.submit(Request(list(range(4, 100)) * 5, max_tokens=33, fit_max_tokens=True))
+    assert (e.value.prompt_tokens, e.value.max_tokens) == (480, 33)
+    assert len(engine.submit(Request(list(range(4, 100)) * 5, max_tokens=33)).result(WAIT).tokens) <= 32  # to the end
     conv = engine.new_conversation()
     with pytest.raises(mlx_mtp.ContextLengthError):
         engine.submit(Request("x" * 600, conversation=conv)).result(WAIT)

@@ -252,6 +252,37 @@ def test_a_failed_or_cancelled_request_leaves_nothing_wrong_behind(loaded):
     assert again.tokens == later.tokens == fresh.tokens and later.stats.cached_tokens > 0
 
 
+def run_row(gen, prompt, steps=None, **kw):
+    """Insert `prompt` and step: `steps` times (then cancel it), or until it is done; its tokens
+    and stats."""
+    uid, tokens, stats, n = gen.insert(prompt, **kw), [], None, 0
+    while gen.busy:
+        if steps is not None and n == steps:
+            gen.cancel(uid)
+        for event in gen.step():
+            tokens += event.tokens
+            stats = event.stats
+        n += 1
+    return tokens, stats
+
+
+def test_a_cancelled_prefill_leaves_its_chunks_and_a_retry_resumes_there_exactly(loaded):
+    """A row cancelled after 3 of its prompt chunks leaves the state there (its chunks end on the
+    grid); the retry prefills only the rest, on the same grid, and its output, past the sliding
+    window with MTP on, is a fresh prefill's, greedy and seeded alike."""
+    prompt = ids(200, seed=3)
+    for kw in (dict(max_tokens=40), dict(max_tokens=40, sampling=HOT, seed=9)):
+        gen = mlx_mtp.BatchGenerator(loaded.target, loaded.drafter, prefill_chunk=32,
+                                     prefix_cache=PrefixCache(loaded.target, 1 << 30))
+        assert run_row(gen, prompt, steps=3, **kw)[0] == []
+        assert gen.stats.prompt_tokens == 96  # three chunks, counted though the row was cancelled
+        tokens, stats = run_row(gen, prompt, **kw)
+        assert (stats.cached_tokens, stats.prompt_tokens, stats.stored_tokens) == (96, 104, 104)
+        assert gen.stats.prompt_tokens == 200  # one prefill over both attempts
+        fresh = mlx_mtp.BatchGenerator(loaded.target, loaded.drafter, prefill_chunk=32)
+        assert tokens == run_row(fresh, prompt, **kw)[0] and len(tokens) == 40
+
+
 def test_with_the_cache_off_only_conversations_keep_their_turn(loaded):
     with Engine(loaded, prompt_cache_bytes=0) as engine:
         chat = engine.new_conversation(system=SYSTEM)
