@@ -12,7 +12,8 @@ gives to it, so a reply is known exactly, whatever API, batch or draft length pr
 The row's token history lives in one extra full-attention cache layer (token ids as values,
 slot = position), so it follows the rows through batching and rollback like any K/V.
 
-`python tests/scripted.py --model DIR [--script FILE] [server options]` serves it over HTTP.
+`python tests/scripted.py --model DIR [--script FILE] [--chunk-seconds S] [server options]` serves it
+over HTTP (`--chunk-seconds`: each prompt chunk takes S seconds more, a long prefill in small).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(TESTS))
 from chat_helpers import DRAFTER, GEMMA4_EOS, TINY, write_gemma4_tokenizer  # noqa: E402
 
 TEMPLATE = TESTS / "fixtures" / "real_configs" / "google--gemma-4-31B-it" / "chat_template.jinja"
-CONTEXT = 4096  # char-level prompts with tool declarations are long
+CONTEXT = 8192  # char-level prompts with tool declarations (and a 20-turn session) are long
 N = 48  # tokens of context that select the next token
 TURN_END = 106
 
@@ -69,8 +71,8 @@ class ScriptedTarget:
 
     pipeline = None
 
-    def __init__(self, inner, script: Sequence[tuple[list, list]], n: int = N):
-        self.inner, self.n = inner, n
+    def __init__(self, inner, script: Sequence[tuple[list, list]], n: int = N, chunk_seconds: float = 0.0):
+        self.inner, self.n, self.chunk_seconds = inner, n, chunk_seconds
         self.layer = len(inner.make_cache(1).layer_types)  # the history layer's index
         self.config = _Config(inner.config, self.layer)
         table: dict = {}
@@ -107,6 +109,9 @@ class ScriptedTarget:
         ids = tokens.astype(mx.float32)[:, None, :, None]
         _, history = steps[0].store(self.layer, ids, ids)  # (B, 1, T, 1): slot = position
         if keep == 0:
+            if self.chunk_seconds:  # a prompt chunk of a slow model: the worker is busy meanwhile
+                mx.eval(out.hidden if out.hidden is not None else history)
+                time.sleep(self.chunk_seconds)
             return out
         positions = steps[0].positions[:, tokens.shape[1] - (keep or tokens.shape[1]):]
         return TargetOutput(self._logits(history[:, 0, :, 0].astype(mx.int32), positions), out.hidden,
@@ -128,7 +133,8 @@ class ScriptedTarget:
         return self.inner.embed(tokens)
 
 
-def load_scripted(model_dir: Path, script: Sequence[tuple[str, str]] = (), ngram: bool = True):
+def load_scripted(model_dir: Path, script: Sequence[tuple[str, str]] = (), ngram: bool = True,
+                  chunk_seconds: float = 0.0):
     """`load()` the model with the tiny MTP drafter (and prompt lookup where its proposal is
     long, so that drafts are accepted too) and script it: `script` holds (end of a prompt,
     reply) texts; a reply ends with its stop token (`<turn|>` or `<|tool_response>`)."""
@@ -140,7 +146,7 @@ def load_scripted(model_dir: Path, script: Sequence[tuple[str, str]] = (), ngram
         return loaded.tokenizer.encode(text, add_special_tokens=False)
 
     pairs = [(encode(tail), encode(reply)) for tail, reply in script or SCRIPT]
-    return loaded._replace(target=ScriptedTarget(loaded.target, pairs))
+    return loaded._replace(target=ScriptedTarget(loaded.target, pairs, chunk_seconds=chunk_seconds))
 
 
 # ---- the scenarios the tests play --------------------------------------------------------------
@@ -177,6 +183,36 @@ def _result(name: str, value: str) -> str:
     return f'<|tool_response>response:{name}{{value:<|"|>{value}<|"|>}}<tool_response|>'
 
 
+# An agent's tool session: text before every call, a reminder beside every other result (as
+# Claude Code sends them), thinking off or on. Its replies follow each other only where each
+# prompt renders the earlier replies as the model generated them.
+SESSION, TURNS = "Please run the twenty-step session for me now.", 20
+
+
+def session_reply(i: int, thinking: bool, channel_open: bool) -> str:
+    body = "All twenty steps are done.<turn|>" if i == TURNS - 1 else \
+        f"Step {i}: on it.\n" + _call("get_time", zone=f"Z{i}") + "<|tool_response>"
+    thought = f"Step {i} needs the time.<channel|>"
+    return (thought if channel_open else "<|channel>thought\n" + thought) + body if thinking else body
+
+
+def reminded(i: int) -> bool:
+    return i % 2 == 1
+
+
+def session_script(thinking: bool) -> list:
+    """(end of prompt, reply) pairs of the session's turns."""
+    pairs, tail, channel_open = [], ask(SESSION, thinking), False
+    for i in range(TURNS):
+        reply = session_reply(i, thinking, channel_open)
+        pairs.append((tail, reply))
+        tail = reply.removesuffix("<|tool_response>") + _result("get_time", f"t{i}")
+        channel_open = thinking and not reminded(i)
+        tail += "<turn|>\n" + ask(f"<system-reminder>Mind step {i}.</system-reminder>", thinking) if reminded(i) \
+            else "<|channel>thought\n" * channel_open
+    return pairs
+
+
 SCRIPT = [
     # a two-step tool loop: the call, then the answer once the result is in
     (ask("What is the weather in Paris right now?"),
@@ -198,6 +234,7 @@ SCRIPT = [
     (ask("Tell me a short story about a robot."), STORY + "<turn|>"),
     # JSON as a schema asks for it (structured output)
     (ask("Describe the weather in Oslo as JSON."), OSLO + "<turn|>"),
+    *session_script(thinking=False), *session_script(thinking=True),
 ]
 
 
@@ -251,9 +288,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="serve a scripted Gemma 4 chat model")
     ap.add_argument("--model", required=True)
     ap.add_argument("--script", help="a JSON list of [end of prompt, reply] pairs (default: SCRIPT)")
+    ap.add_argument("--chunk-seconds", type=float, default=0.0, help="extra seconds each prompt chunk takes")
     args, rest = ap.parse_known_args(argv)
     script = json.loads(Path(args.script).read_text()) if args.script else SCRIPT
-    loaded = load_scripted(Path(args.model), script)
+    loaded = load_scripted(Path(args.model), script, chunk_seconds=args.chunk_seconds)
     return cli.serve(loaded, "gemma4-scripted", cli.parse_args(rest))
 
 

@@ -35,7 +35,8 @@ def readme_blocks() -> list:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(url, keyed url): both started at once, so their start-up overlaps."""
+    """(url, keyed url, logs): both started at once, so their start-up overlaps; the keyed one runs
+    with the prefix cache off."""
     logs = tmp_path_factory.mktemp("server")
     start = readme_blocks()[0][1].split("#")[0].split()
     assert start == ["mlx-mtp-server"]
@@ -44,13 +45,13 @@ def servers(tmp_path_factory):
     limits = ["--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH), "--max-body-bytes", str(MAX_BODY)]
     procs = [
         start_server([*start, *limits, "--log-level", "warning"], port, str(logs / "server.log")),
-        start_server([sys.executable, "-m", "mlx_mtp.server", "--api-key", KEY, "--log-level", "warning"],
-                     keyed_port, str(logs / "keyed.log")),
+        start_server([sys.executable, "-m", "mlx_mtp.server", "--api-key", KEY, "--log-level", "warning",
+                      "--prompt-cache-bytes", "0"], keyed_port, str(logs / "keyed.log")),
     ]
     try:
         for proc, p in zip(procs, (port, keyed_port)):
             wait_healthy(proc, p)
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{keyed_port}"
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{keyed_port}", logs
     finally:
         for proc in procs:
             stop_server(proc)
@@ -280,6 +281,21 @@ def test_api_key_is_required_when_set(servers):
         openai.OpenAI(base_url=keyed + "/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=keyed + "/v1", api_key=KEY, max_retries=0, timeout=60)
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_start_up_says_what_the_prefix_cache_is_once(servers):
+    plain, keyed = [(servers[2] / name).read_text() for name in ("server.log", "keyed.log")]
+    assert re.search(r"prefix cache [\d.]+ [KMG]iB;", plain) and "prefix cache off" not in plain
+    assert "prefix cache off;" in keyed and not re.search(r"prefix cache [\d.]+ [KMG]iB", keyed)
+    assert "context 2048 tokens" in keyed
+
+
+def test_a_forced_tool_call_on_a_template_without_tool_calls_is_one_clear_line(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="required", max_tokens=5)
+    assert e.value.body["message"] == "`mlx-mtp-demo`'s chat template has no tool calls: a tool_choice cannot force one"
+    assert e.value.body["param"] == "tool_choice"
 
 
 def test_queue_full_gets_429_with_retry_after(url):

@@ -33,6 +33,15 @@ def streamed(client, **kwargs):
         return stream.get_final_message(), kinds
 
 
+PROMPT = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+
+
+def prompt(usage) -> int:
+    """The whole prompt, which Anthropic's usage splits in three."""
+    usage = usage if isinstance(usage, dict) else usage.model_dump()
+    return sum(usage[k] for k in PROMPT)
+
+
 def blocks(message) -> list:
     return [b.model_dump(include={"type", "text", "thinking", "name", "input"}) for b in message.content]
 
@@ -42,7 +51,8 @@ def test_a_two_step_tool_loop_whole_and_streamed(client):
     (use,) = first.content
     assert use.type == "tool_use" and use.id.startswith("toolu_") and use.name == "get_weather"
     assert use.input == {"city": "Paris", "unit": "celsius"} and first.stop_reason == "tool_use"
-    assert first.usage.input_tokens > 300 and first.usage.output_tokens > 0
+    assert prompt(first.usage) > 300 and first.usage.output_tokens > 0
+    assert first.usage.input_tokens == 0 < first.usage.cache_creation_input_tokens  # what it prefilled was kept
     history = [{"role": "user", "content": PARIS}, {"role": "assistant", "content": first.content},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": WEATHER[0]}]}]
     second = client.messages.create(model=MODEL, max_tokens=200, tools=TOOLS_A, messages=history)
@@ -51,7 +61,7 @@ def test_a_two_step_tool_loop_whole_and_streamed(client):
     final, kinds = streamed(client, tools=TOOLS_A, messages=history[:1])
     assert blocks(final) == blocks(first) and final.stop_reason == "tool_use"
     assert kinds[0] == "message_start" and "input_json" in kinds and kinds[-1] == "message_stop"
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == first.usage.input_tokens
+    assert prompt(final.usage) == prompt(first.usage)
     assert final.usage.cache_read_input_tokens > 300  # the same prompt again: from the prefix cache
     assert final.usage.output_tokens == first.usage.output_tokens
     final, _ = streamed(client, tools=TOOLS_A, messages=history)
@@ -78,7 +88,8 @@ def test_the_event_sequence_of_a_stream(scripted_server):
     message_delta = events[-2][1]
     assert message_delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert message_delta["usage"]["output_tokens"] > 0
-    assert events[0][1]["message"]["usage"]["input_tokens"] == message_delta["usage"]["input_tokens"] > 0
+    start = events[0][1]["message"]["usage"]
+    assert sum(start[k] for k in PROMPT) == sum(message_delta["usage"][k] for k in PROMPT) > 0
 
 
 def test_thinking_on_and_off(client):
@@ -88,12 +99,14 @@ def test_thinking_on_and_off(client):
     off = ask(client, SEVEN)  # the server's default: off
     assert blocks(off) == [{"type": "text", "text": "42, of course."}]
     assert blocks(ask(client, SEVEN, thinking={"type": "disabled"})) == blocks(off)
-    # earlier thinking goes back as the template says (dropped once the turn is over)
+    # earlier thinking goes back as the model wrote it (where the template would drop it)
     again = [{"role": "user", "content": SEVEN}, {"role": "assistant", "content": on.content},
              {"role": "user", "content": "Thanks!"}]
-    assert client.messages.count_tokens(model=MODEL, messages=again).input_tokens == \
-        client.messages.count_tokens(model=MODEL, messages=[again[0], {"role": "assistant", "content": [
-            {"type": "text", "text": "The answer is 42."}]}, again[2]]).input_tokens
+    thinking = {"type": "enabled", "budget_tokens": 2048}
+    kept = client.messages.count_tokens(model=MODEL, messages=again, thinking=thinking).input_tokens
+    without = client.messages.count_tokens(model=MODEL, thinking=thinking, messages=[
+        again[0], {"role": "assistant", "content": [{"type": "text", "text": "The answer is 42."}]}, again[2]])
+    assert kept == without.input_tokens + len("<|channel>thought\nSix sevens make 42.<channel|>") - 18  # 2 tags
 
 
 def test_parallel_calls(client):
@@ -114,7 +127,7 @@ def test_parallel_calls(client):
 
 def test_malformed_calls_come_back_as_text(client):
     r = ask(client, "Now show me a broken tool call.")
-    assert blocks(r) == [{"type": "text", "text": 'Trying.<|tool_call>call:get_weather{city:<|"|>Lyon}<tool_call|> oops'}]
+    assert blocks(r) == [{"type": "text", "text": 'Trying.call:get_weather{city:"Lyon} oops'}]  # no control token
     assert r.stop_reason == "end_turn"
     r = ask(client, "What time is it in UTC, please?")  # no close tag: still a call
     assert blocks(r) == [{"type": "tool_use", "name": "get_time", "input": {"zone": "UTC"}}]
@@ -157,7 +170,7 @@ def test_claude_code_requests_are_understood_and_their_prefix_is_stable(client, 
         assert answer.status_code == 200, answer.text
         assert answer.json()["content"][0]["input"] == {"city": "Paris", "unit": "celsius"}
         usage = answer.json()["usage"]
-        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == counts[-1]
+        assert prompt(usage) == counts[-1]
     assert counts[0] == counts[1]
     assert usage["cache_read_input_tokens"] >= counts[-1] - 2  # the prefix stays stable across `cch` values
     cut = {**claude_code_request("1a2b3"), "system": "You are a coding agent."}
@@ -200,10 +213,10 @@ def test_errors_are_anthropic_shaped(client, change, status, kind, match):
 def test_readme_anthropic_example_runs_as_written(scripted_server):
     out = run_readme_example(scripted_server, "import anthropic").splitlines()
     assert out[0] == WEATHER[1]  # the first reply was a tool call, with no text
-    stop, used_in, cached, used_out = out[1].split()
+    stop, used_in, stored, cached, used_out = out[1].split()
     # the conversation counted at the end is the last prompt and its reply (less its stop token)
-    assert stop == "end_turn" and int(out[2]) == int(used_in) + int(cached) + int(used_out) - 1
-    assert int(cached) > int(used_in)  # the last call re-sent the first one's prompt: read from the cache
+    assert stop == "end_turn" and int(out[2]) == int(used_in) + int(stored) + int(cached) + int(used_out) - 1
+    assert int(cached) > int(stored) > 0  # the last call re-sent the first one's prompt: read from the cache
 
 
 def test_every_status_has_its_anthropic_error_type(scripted_server):

@@ -61,10 +61,10 @@ def test_a_dead_end_grammar_ends_the_reply_cleanly(client):
     """The tokenizer cannot spell "\u00e9": the reply ends where the grammar needs it, whole and streamed."""
     extra = {"structured_outputs": {"regex": "42\u00e9"}}
     choice = chat(client, SEVEN, extra_body=extra).choices[0]
-    assert (choice.message.content, choice.finish_reason) == ("42", "dead_end")
+    assert (choice.message.content, choice.finish_reason, choice.finish_detail) == ("42", "stop", "dead_end")
     chunks = [c for c in chat(client, SEVEN, extra_body=extra, stream=True) if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "42"
-    assert chunks[-1].choices[0].finish_reason == "dead_end"
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].finish_detail) == ("stop", "dead_end")
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

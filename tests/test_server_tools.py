@@ -90,21 +90,24 @@ def test_thinking_on_and_off(client):
     assert off.content == "42, of course." and getattr(off, "reasoning_content", None) is None
 
 
-def test_malformed_calls_come_back_as_text(client):
+def test_malformed_calls_come_back_as_text_without_control_tokens(client):
     broken = ask(client, "Now show me a broken tool call.").choices[0]
-    assert broken.message.content == 'Trying.<|tool_call>call:get_weather{city:<|"|>Lyon}<tool_call|> oops'
+    assert broken.message.content == 'Trying.call:get_weather{city:"Lyon} oops'
     assert broken.message.tool_calls is None and broken.finish_reason == "stop"
     other = ask(client, "Now use some other call syntax.").choices[0]
-    assert other.message.content == "Sure: <|tool_call>get_weather(city=Nice)<tool_call|>"
+    assert other.message.content == "Sure: get_weather(city=Nice)"
     unclosed = ask(client, "What time is it in UTC, please?").choices[0]  # no close tag: still a call
     assert unclosed.message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
 
 
-def test_tool_choice_none_leaves_the_tools_out(client):
-    r = ask(client, PARIS, tool_choice="none")
-    assert r.choices[0].message.tool_calls is None  # not declared, so not parsed: the model's text
-    assert r.choices[0].message.content.startswith("<|tool_call>call:get_weather{")
-    assert r.usage.prompt_tokens < ask(client, PARIS).usage.prompt_tokens
+def test_tool_choice_none_keeps_the_tools_declared_and_bans_a_call(client):
+    auto = ask(client, PARIS)
+    assert auto.choices[0].message.tool_calls  # the scripted model calls a tool here ...
+    r = ask(client, PARIS, tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.tool_calls is None  # ... but cannot open one under "none"
+    assert "<|" not in (r.choices[0].message.content or "") and "call:" not in (r.choices[0].message.content or "")
+    assert r.usage.prompt_tokens == auto.usage.prompt_tokens  # the same prompt: the tools stay declared
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1  # read from the prefix cache
 
 
 def test_stop_strings_and_length_with_parsing(client):

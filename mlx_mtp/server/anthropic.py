@@ -2,13 +2,15 @@
 request bodies in, engine requests and message objects or stream events out.
 
 Plain Python with no MLX and no HTTP. It maps Anthropic's shapes onto `chat_format`'s: `system`
-(a string or text blocks, plus `role: "system"` entries of `messages`, which Claude Code sends),
-content blocks `text` / `tool_use` / `tool_result` / `thinking`, `tools` with `input_schema`,
-`tool_choice` (`any` and `tool` force a call), `thinking`, `output_config.format` (a JSON schema the
-reply must match); and the reply back into `thinking`, `text` and `tool_use` blocks.
-Fields it has no use for (`metadata`, `cache_control`, server tools, ...) are ignored, as
-Claude Code sends many. Claude Code's `x-anthropic-billing-header` system line carries a
-`cch=` value that changes every request; it is normalised so the prompt's prefix stays stable.
+(a string or text blocks), `role: "system"` entries of `messages` (Claude Code sends them; they
+stay where they are in the conversation), content blocks `text` / `tool_use` / `tool_result` /
+`thinking`, `tools` with `input_schema`, `tool_choice` (`any` and `tool` force a call, `none` bans
+one), `thinking`, `output_config.format` (a JSON schema the reply must match); and the reply back
+into `thinking`, `text` and `tool_use` blocks. Fields it has no use for (`metadata`,
+`cache_control`, server tools, ...) are checked for type and ignored, as Claude Code sends many.
+Claude Code's `x-anthropic-billing-header` system line changes with its version, its prompt and
+every request: it is dropped, so that the prompt's prefix stays the same across requests and
+sessions (as with `CLAUDE_CODE_ATTRIBUTION_HEADER=0`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from typing import Any, AsyncIterator, Optional
 from .. import chat_format
 from ..chat_format import Delta
 from ..engine import Request
+from ..generate import ContextLengthError
 from ..grammar import Grammar
 from .common import (APIError, Outcome, ServedModel, check_model, checked, draft_tokens, flag, forced_calls, integer,
-                     invalid, json_grammar, mapping, sampling, strings, structured, unsupported)
+                     invalid, json_grammar, mapping, sampling, strings, structured, typed, unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 529: "overloaded_error"}
-BILLING = re.compile(r"^(x-anthropic-billing-header:.*?\bcch=)[0-9a-fA-F]+")
+BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE | re.IGNORECASE)
 BLOCK_TYPES = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
 
 
@@ -61,13 +64,15 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
     max_tokens = integer(body, "max_tokens", low=1)
     if max_tokens is None and not count:
         raise invalid("max_tokens", "`max_tokens` is required")
+    _check_ignored(body)
     messages = _messages(body)
-    tools, parallel, forced = _tools(body)
+    tools, parallel, forced = _tools(body, model)
     last = messages[-1]
     request = Request(
-        messages=messages, tools=tools, enable_thinking=_thinking(body, model.thinking),
+        messages=messages, tools=tools, allow_tool_calls=mapping(body, "tool_choice").get("type") != "none",
+        enable_thinking=_thinking(body, model.thinking),
         continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
-        max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, temperature_high=1.0),
+        max_tokens=max_tokens or model.context, fit_max_tokens=not count, sampling=sampling(body, temperature_high=1.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
         grammar=structured(body, _output_format(body), forced),
     )
@@ -75,28 +80,38 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
                f"msg_{uuid.uuid4().hex[:24]}", parallel)
 
 
+def _check_ignored(body: dict) -> None:
+    """The fields Anthropic takes that mean nothing here must still have their types."""
+    metadata = mapping(body, "metadata")
+    if not isinstance(metadata.get("user_id", ""), (str, type(None))):
+        raise invalid("metadata.user_id", "`metadata.user_id` must be a string")
+    typed(body, "service_tier", str)
+
+
 def _messages(body: dict) -> list:
     """`system` and `messages` as chat messages: tool results become tool messages (named by
-    the calls they answer), thinking becomes `reasoning_content`."""
+    the calls they answer), thinking becomes `reasoning_content`, and `role: "system"` entries
+    stay system messages where they are."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "`messages` must be a non-empty list")
-    system = [_text(body["system"], "system", billing=True)] if body.get("system") else []
+    system = _text(body["system"], "system", billing=True) if body.get("system") else ""
     names: dict = {}
-    out: list = []
+    out: list = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant", "system"):
             raise invalid(where, f"{where} needs a `role`: user or assistant")
         if role == "system":
-            system.append(_text(message.get("content"), f"{where}.content", billing=True))
+            if text := _text(message.get("content"), f"{where}.content", billing=True):
+                out.append({"role": "system", "content": text})
             continue
         blocks = _blocks(message.get("content"), f"{where}.content")
         out.extend(_assistant(blocks, where, names) if role == "assistant" else _user(blocks, where, names))
-    if not out:
+    if not any(m["role"] != "system" for m in out):
         raise invalid("messages", "`messages` must hold a user or assistant message")
-    return [{"role": "system", "content": "\n\n".join(system)}] * bool(system) + out
+    return out
 
 
 def _blocks(content: Any, where: str) -> list:
@@ -161,14 +176,14 @@ def _text(content: Any, where: str, billing: bool = False) -> str:
     blocks = _blocks(content, where)
     texts = [_block_text(b, f"{where}[{j}]") for j, b in enumerate(blocks)]
     if billing:
-        texts = [BILLING.sub(r"\g<1>00000", t) for t in texts]
+        texts = [BILLING.sub("", t) for t in texts]
     return "\n\n".join(t for t in texts if t) if billing else "".join(texts)
 
 
-def _tools(body: dict) -> tuple[Optional[list], bool, Optional[Grammar]]:
+def _tools(body: dict, model: ServedModel) -> tuple[Optional[list], bool, Optional[Grammar]]:
     """(the tools as JSON schemas, parallel calls allowed, the grammar of a forced call: `any`
     tool, or the `tool` named). Server tools (web search and the like, which have no
-    `input_schema`) are not ours to run: dropped."""
+    `input_schema`) are not ours to run: dropped. Under `none` the tools stay declared."""
     choice = mapping(body, "tool_choice")
     kind = choice.get("type", "auto")
     if kind not in ("auto", "none", "any", "tool"):
@@ -185,13 +200,13 @@ def _tools(body: dict) -> tuple[Optional[list], bool, Optional[Grammar]]:
         schemas.append({"type": "function", "function": function})
     checked("tools", chat_format.check_tools, schemas)
     parallel = not flag(choice, "disable_parallel_tool_use", False)
-    schemas = schemas if schemas and kind != "none" else None
+    schemas = schemas or None
     if kind not in ("any", "tool"):
         return schemas, parallel, None
     name = choice.get("name") if kind == "tool" else None
     if kind == "tool" and not isinstance(name, str):
         raise invalid("tool_choice", '`tool_choice` of type "tool" needs the tool\'s `name`')
-    return schemas, parallel, forced_calls(schemas, name, parallel)
+    return schemas, parallel, forced_calls(schemas, name, parallel, model)
 
 
 def _output_format(body: dict) -> Optional[Grammar]:
@@ -211,6 +226,8 @@ def _thinking(body: dict, default: bool) -> bool:
         return default
     if kind not in ("enabled", "disabled", "adaptive"):
         raise invalid("thinking", '`thinking.type` must be "enabled", "adaptive" or "disabled"')
+    if kind == "enabled":
+        integer(thinking, "budget_tokens", low=1024)
     return kind != "disabled"  # a budget_tokens is not enforced: Gemma 4 thinks until it is done
 
 
@@ -220,15 +237,35 @@ def _thinking(body: dict, default: bool) -> bool:
 def stop_reason(outcome: Outcome) -> str:
     if outcome.stop_sequence is not None:
         return "stop_sequence"
-    if outcome.finish_reason in ("length", "dead_end"):  # dead_end: the output constraint allows nothing more
-        return "max_tokens" if outcome.finish_reason == "length" else "dead_end"
-    return "tool_use" if outcome.tool_calls else "end_turn"
+    if outcome.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if outcome.tool_calls and not outcome.dead_end else "end_turn"
+
+
+def _stop(outcome: Outcome) -> dict:
+    """`stop_reason` and `stop_sequence`, and this server's `stop_detail` where there is more to
+    say ("dead_end": the output constraint allowed no further token)."""
+    detail = {"stop_detail": "dead_end"} if outcome.dead_end else {}
+    return {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence, **detail}
+
+
+def context_error(error: ContextLengthError, job: Job) -> APIError:
+    """Anthropic's own words, which Claude Code acts on: it compacts the conversation at "prompt
+    is too long", and retries with a smaller `max_tokens` at "... exceed context limit"."""
+    n, context = error.prompt_tokens, error.context
+    if context is None:
+        message = str(error)
+    elif error.max_tokens is not None:
+        message = (f"input length and `max_tokens` exceed context limit: {n} + {error.max_tokens} > {context}, "
+                   "decrease input length or `max_tokens` and try again")
+    else:  # the reply needs room for a token at least
+        message = f"prompt is too long: {n} tokens > {context - 1} maximum"
+    return APIError(400, message, param="messages", code="context_length_exceeded")
 
 
 def answer(job: Job, parts: list, outcome: Outcome) -> dict:
     content = [_block(part, whole=True) for part in chat_format.merge(parts)] or [{"type": "text", "text": ""}]
-    return {**_message(job), "content": content, "stop_reason": stop_reason(outcome),
-            "stop_sequence": outcome.stop_sequence, "usage": _usage(outcome)}
+    return {**_message(job), "content": content, **_stop(outcome), "usage": _usage(outcome)}
 
 
 def _message(job: Job) -> dict:
@@ -236,10 +273,11 @@ def _message(job: Job) -> dict:
 
 
 def _usage(outcome: Outcome) -> dict:
-    """Anthropic's usage: `input_tokens` counts the prompt tokens not read from the prefix cache,
-    `cache_read_input_tokens` those that were."""
-    cached = outcome.cached_tokens
-    return {"input_tokens": outcome.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+    """Anthropic's usage, which splits the prompt in three: `cache_read_input_tokens` were read
+    from the prefix cache, `cache_creation_input_tokens` were prefilled and left there for later
+    requests, `input_tokens` were prefilled and not kept."""
+    cached, stored = outcome.cached_tokens, outcome.stored_tokens
+    return {"input_tokens": outcome.prompt_tokens - cached - stored, "cache_creation_input_tokens": stored,
             "cache_read_input_tokens": cached, "output_tokens": outcome.completion_tokens}
 
 
@@ -264,7 +302,8 @@ def _delta(part: Delta) -> dict:
 
 async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> AsyncIterator[str]:
     """Server-sent events in Anthropic's sequence: message_start, ping, per block
-    content_block_start / _delta... / _stop, message_delta (stop_reason, usage), message_stop."""
+    content_block_start / _delta... / _stop, message_delta (stop_reason, usage), message_stop;
+    a ping whenever nothing else came for a while (a long prefill)."""
     start = {**_message(job), "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": _usage(outcome)}
     yield _event("message_start", message=start)
@@ -272,6 +311,9 @@ async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> Asy
     index, open_kind = -1, None
     try:
         async for part in parts:
+            if part.kind == "keepalive":
+                yield _event("ping")
+                continue
             if part.kind != open_kind or part.kind == "tool_call":
                 if open_kind is not None:
                     yield _close(index, open_kind)
@@ -280,8 +322,7 @@ async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> Asy
             yield _event("content_block_delta", index=index, delta=_delta(part))
         if open_kind is not None:
             yield _close(index, open_kind)
-        delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
-        yield _event("message_delta", delta=delta, usage=_usage(outcome))
+        yield _event("message_delta", delta=_stop(outcome), usage=_usage(outcome))
         yield _event("message_stop")
     except APIError as e:  # the headers are out: the error travels in the stream
         yield f"event: error\ndata: {json.dumps(error_body(e))}\n\n"

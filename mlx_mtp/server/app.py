@@ -7,7 +7,9 @@ an error), its handle is cancelled, which frees its engine row within one round.
 
 Each API is a wire format of its own (`protocol` for OpenAI, `anthropic`): a parsed job, an
 `answer` and a `stream` of its reply's pieces (`pieces`: content cut at stop strings, reasoning,
-tool calls), and its error shape; the plumbing here is shared.
+tool calls, and `KEEPALIVE` while nothing comes), and its error shapes; the plumbing here is
+shared. A stream opens once its first event comes or `OPEN_AFTER` seconds pass, whichever is
+first: a long prefill keeps the client informed instead of silent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,16 +29,32 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import chat_format
 from ..chat_format import Delta
 from ..engine import Engine, QueueFull, RequestHandle
 from ..generate import ContextLengthError
 from . import anthropic, protocol
-from .common import APIError, Outcome, ServedModel, StopMatcher, invalid
+from .common import KEEPALIVE, APIError, Outcome, ServedModel, StopMatcher, invalid
 from .metrics import render as render_metrics
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64  # deeper bodies are refused before any code walks them
+OPEN_AFTER = 0.5  # seconds a stream waits for its first event before it opens anyway
+KEEPALIVE_EVERY = 5.0  # seconds of silence after which a stream sends a keep-alive (by default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """One API's shapes: the whole answer, the stream, and its context-overflow error."""
+
+    answer: Callable[..., dict]  # (job, parts, outcome) -> the reply
+    stream: Callable[..., AsyncIterator[str]]  # (job, parts, outcome) -> its server-sent events
+    context_error: Callable[..., APIError]  # (ContextLengthError, job) -> the 400 in the API's words
+
+
+OPENAI = Wire(protocol.response, protocol.stream, protocol.context_error)
+ANTHROPIC = Wire(anthropic.answer, anthropic.stream, anthropic.context_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +62,7 @@ class Settings:
     model: ServedModel
     api_key: Optional[str] = None
     max_body_bytes: int = MAX_BODY_BYTES
+    keepalive: float = KEEPALIVE_EVERY
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -67,7 +86,8 @@ def create_app(engine: Engine, settings: Settings) -> Starlette:
 
 def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = False) -> ServedModel:
     config = loaded.target.config
-    return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens, thinking)
+    return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens, thinking,
+                       chat_format.has_tool_calls(loaded.tokenizer))
 
 
 # ---- endpoints ---------------------------------------------------------------------------------
@@ -76,19 +96,19 @@ def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = Fa
 async def chat_completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     job = protocol.parse_chat(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, protocol.response, protocol.stream)
+    return await run(request, job, OPENAI)
 
 
 async def completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     job = protocol.parse_completion(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, protocol.response, protocol.stream)
+    return await run(request, job, OPENAI)
 
 
 async def messages(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     job = anthropic.parse_messages(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, anthropic.answer, anthropic.stream)
+    return await run(request, job, ANTHROPIC)
 
 
 async def count_tokens(request: HTTPRequest) -> Response:
@@ -132,12 +152,12 @@ def _model_card(settings: Settings) -> dict:
 
 def _authorized(request: HTTPRequest) -> Settings:
     """The settings, once the key (when the server has one) checks out: `Authorization: Bearer`
-    (OpenAI's clients) or `x-api-key` (Anthropic's)."""
+    (OpenAI's clients) or `x-api-key` (Anthropic's); either one right is enough."""
     settings = request.app.state.settings
     if settings.api_key is not None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+        given = [token.strip() if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+        if not any([hmac.compare_digest(g.encode(), settings.api_key.encode()) for g in given]):
             raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return settings
@@ -183,35 +203,38 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-async def run(request: HTTPRequest, job, answer, stream) -> Response:
-    """Submit the job and answer it: `answer(job, parts, outcome)` makes the whole reply,
-    `stream(job, parts, outcome)` its server-sent events. The first event is awaited before any
-    header is sent, so a request the engine refuses (an over-long prompt, say) gets a real HTTP
-    error."""
+async def run(request: HTTPRequest, job, wire: Wire) -> Response:
+    """Submit the job and answer it: `wire.answer(job, parts, outcome)` makes the whole reply,
+    `wire.stream(job, parts, outcome)` its server-sent events. A prompt that does not fit is
+    refused by `submit`, and what the engine refuses at once is awaited (`OPEN_AFTER`) before
+    any header is sent: both get a real HTTP error."""
     engine = request.app.state.engine
     try:  # off the event loop: submitting renders the prompt
         handle = await asyncio.to_thread(engine.submit, job.request)
     except QueueFull as e:
         raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+    except ContextLengthError as e:
+        raise wire.context_error(e, job) from None
     except ValueError as e:
         raise invalid(None, str(e)) from None
     events = EventStream(handle)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, events))
     handed_over = False
     try:
-        first = await events.peek()
-        if first.kind == "error":
-            raise engine_error(first.error, job)
-        outcome = Outcome(prompt_tokens=handle.prompt_tokens or 0, cached_tokens=handle.cached_tokens or 0,
+        first = await events.peek(OPEN_AFTER if job.stream else None)
+        if first is not None and first.kind == "error":
+            raise engine_error(first.error, job, wire)
+        outcome = Outcome(prompt_tokens=handle.prompt_tokens or 0, handle=handle,
                           logprobs=[] if job.request.logprobs is not None else None)
         if job.stream:
             handed_over = True
-            frames = _streamed(stream(job, pieces(job, events, outcome), outcome), events, watcher)
+            parts = pieces(job, events, outcome, wire, request.app.state.settings.keepalive)
+            frames = _streamed(wire.stream(job, parts, outcome), events, watcher)
             return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        parts = [part async for part in pieces(job, events, outcome)]
-        return JSONResponse(answer(job, parts, outcome))
+        parts = [part async for part in pieces(job, events, outcome, wire)]
+        return JSONResponse(wire.answer(job, parts, outcome))
     finally:
         if not handed_over:
             watcher.cancel()
@@ -251,15 +274,21 @@ class EventStream:
             except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
                 self.handle.cancel()
 
-    async def peek(self):
+    async def peek(self, timeout: Optional[float] = None):
+        """The next event, left to `next`; None when none came within `timeout` seconds."""
         if self._peeked is None:
-            self._peeked = await self._queue.get()
+            try:
+                self._peeked = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return None
         return self._peeked
 
-    async def next(self):
-        event = await self.peek()
-        self._peeked = None
-        self.finished = event.kind != "token"
+    async def next(self, timeout: Optional[float] = None):
+        """The next event; None when none came within `timeout` seconds."""
+        event = await self.peek(timeout)
+        if event is not None:
+            self._peeked = None
+            self.finished = event.kind != "token"
         return event
 
     def close(self) -> None:
@@ -268,9 +297,11 @@ class EventStream:
             self.handle.cancel()
 
 
-async def pieces(job, events: EventStream, outcome: Outcome) -> AsyncIterator[Delta]:
+async def pieces(job, events: EventStream, outcome: Outcome, wire: Wire,
+                 keepalive: Optional[float] = None) -> AsyncIterator[Delta]:
     """The reply piece by piece (`chat_format.Delta`s): content cut at the first stop string,
-    reasoning, and tool calls (only the first one when `job.parallel_tool_calls` is false).
+    reasoning, and tool calls (only the first one when `job.parallel_tool_calls` is false);
+    `KEEPALIVE` after each `keepalive` seconds with nothing to send.
 
     `outcome.completion_tokens` counts the tokens whose text was read (the one completing a
     stop string included); `outcome.stats` is the engine's account, which after a stop may
@@ -278,7 +309,10 @@ async def pieces(job, events: EventStream, outcome: Outcome) -> AsyncIterator[De
     """
     matcher = StopMatcher(job.stop)
     while True:
-        event = await events.next()
+        event = await events.next(keepalive)
+        if event is None:
+            yield KEEPALIVE
+            continue
         if event.kind == "token":
             outcome.completion_tokens += 1
             if outcome.logprobs is not None and event.logprob is not None:
@@ -298,7 +332,7 @@ async def pieces(job, events: EventStream, outcome: Outcome) -> AsyncIterator[De
             continue
         if event.kind == "error":
             if not (isinstance(event.error, ContextLengthError) and outcome.completion_tokens):
-                raise engine_error(event.error, job)
+                raise engine_error(event.error, job, wire)
             outcome.finish_reason = "length"  # the answer reached the end of the model's context
         else:
             outcome.finish_reason = event.finish_reason
@@ -338,11 +372,10 @@ async def _streamed(frames: AsyncIterator[str], events: EventStream, watcher: as
 # ---- errors ------------------------------------------------------------------------------------
 
 
-def engine_error(error: BaseException, job) -> APIError:
+def engine_error(error: BaseException, job, wire: Wire) -> APIError:
     """The HTTP face of an error the engine reported for a request."""
     if isinstance(error, ContextLengthError):
-        param = "prompt" if job.request.messages is None else "messages"
-        return APIError(400, str(error), param=param, code="context_length_exceeded")
+        return wire.context_error(error, job)
     if isinstance(error, ValueError):
         return invalid(None, str(error))
     log.error("request failed in the engine", exc_info=error)

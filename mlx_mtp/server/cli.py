@@ -12,7 +12,7 @@ DEMO_ID = "mlx-mtp-demo"
 
 def parse_args(argv=None) -> argparse.Namespace:
     from ..chat import draft_tokens
-    from .app import MAX_BODY_BYTES
+    from .app import KEEPALIVE_EVERY, MAX_BODY_BYTES
 
     ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
                                  "for Gemma 4 with MTP speculative decoding (chat, text completions and messages, "
@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help="larger request bodies get 413")
+    ap.add_argument("--keepalive-seconds", type=float, default=KEEPALIVE_EVERY, metavar="S",
+                    help="a stream with nothing to send (a long prefill) sends a keep-alive every S seconds: "
+                         "Anthropic's ping event, an SSE comment on OpenAI's")
     cache = ap.add_mutually_exclusive_group()
     cache.add_argument("--prompt-cache-bytes", type=int, metavar="N",
                        help="prefix cache budget in bytes: a request prefills only what no earlier one "
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prompt_cache_bytes = int(args.prompt_cache_gb * 2**30)
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         ap.error("the prompt cache budget must be >= 0 (0 turns it off)")
+    if not args.keepalive_seconds > 0:
+        ap.error("--keepalive-seconds must be > 0")
     return args
 
 
@@ -91,7 +96,7 @@ def serve(loaded, model_id: str, args) -> int:
     from .app import Settings, create_app, served_model
 
     model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking)
-    settings = Settings(model, args.api_key, args.max_body_bytes)
+    settings = Settings(model, args.api_key, args.max_body_bytes, args.keepalive_seconds)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -99,11 +104,9 @@ def serve(loaded, model_id: str, args) -> int:
         with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
                     prompt_cache_bytes=args.prompt_cache_bytes) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
-            print(engine.memory.describe(), file=sys.stderr)
-            cache = f"prefix cache {engine.prompt_cache_bytes / 2**30:.2f} GiB" if engine.prompt_cache_bytes else \
-                "prefix cache off"
-            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, {cache})",
-                  file=sys.stderr, flush=True)
+            print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
+            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, context "
+                  f"{model.context} tokens)", file=sys.stderr, flush=True)
             jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,

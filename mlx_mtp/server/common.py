@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from ..chat_format import Delta
 from ..grammar import Grammar
 from ..sample import SamplingParams
 from ..stats import Stats
 
 MAX_DRAFT_TOKENS = 16
+KEEPALIVE = Delta("keepalive")  # a stream's piece that says "still working": a ping, an SSE comment
 
 
 class APIError(Exception):
@@ -45,6 +47,7 @@ class ServedModel:
     vocab_size: int
     draft_tokens: object = "auto"  # the server's default for requests that do not say
     thinking: bool = False  # the server's default for `enable_thinking`
+    tool_calls: bool = True  # the chat template can say tool calls
 
 
 def check_model(name: Any, model: ServedModel) -> None:
@@ -53,8 +56,10 @@ def check_model(name: Any, model: ServedModel) -> None:
                        param="model", code="model_not_found")
 
 
-def forced_calls(tools: Optional[list], name: Optional[str], parallel: bool) -> Grammar:
+def forced_calls(tools: Optional[list], name: Optional[str], parallel: bool, model: ServedModel) -> Grammar:
     """The grammar of a reply that must call a tool (`name`, or any of `tools`)."""
+    if not model.tool_calls:
+        raise invalid("tool_choice", f"`{model.id}`'s chat template has no tool calls: a tool_choice cannot force one")
     if not tools:
         raise invalid("tool_choice", "a tool_choice that forces a call needs `tools`")
     try:
@@ -98,15 +103,32 @@ def json_grammar(schema: Any, param: str) -> Grammar:
 class Outcome:
     """How a request ended: filled in while its reply is read."""
 
-    finish_reason: Optional[str] = None  # the engine's "stop" / "length", or "stop" at a stop string
+    finish_reason: Optional[str] = None  # the engine's "stop" / "length" / "dead_end", or "stop" at a stop string
     stop_sequence: Optional[str] = None  # the stop string that ended it
     tool_calls: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt tokens, those restored from the prefix cache
     completion_tokens: int = 0  # the tokens behind what was sent (the one completing a stop string included)
-    stats: Optional[Stats] = None
+    stats: Optional[Stats] = None  # the engine's account, once the request is done
     logprobs: Optional[list] = None  # `engine.TokenLogprob` of each token read, when the request asked
     logprobs_sent: int = 0
+    handle: Any = None  # the engine's handle, whose `stats` fill in as the request runs
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of the prompt tokens, those restored from the prefix cache (0 until its prefill began)."""
+        stats = self.stats or (self.handle.stats if self.handle is not None else None)
+        return stats.cached_tokens if stats is not None else 0
+
+    @property
+    def stored_tokens(self) -> int:
+        """Of the prompt tokens prefilled, those left in the prefix cache for later requests."""
+        stats = self.stats or (self.handle.stats if self.handle is not None else None)
+        return stats.stored_tokens if stats is not None else 0
+
+    @property
+    def dead_end(self) -> bool:
+        """The reply ended because its output constraint allows no further token."""
+        return self.finish_reason == "dead_end"
 
     def new_logprobs(self) -> Optional[list]:
         """The log-probabilities read since the last call (None when the request asked for none)."""
@@ -178,6 +200,14 @@ def number(body: dict, name: str, default: float, low: float, high: Optional[flo
         limits = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise invalid(name, f"`{name}` must be a number {limits}, got {value!r}")
     return float(value)
+
+
+def typed(body: dict, name: str, kind: type) -> None:
+    """Refuse a field the server ignores unless it has its API's type (str, dict, bool)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        names = {str: "a string", dict: "an object", bool: "true or false"}
+        raise invalid(name, f"`{name}` must be {names[kind]}")
 
 
 def mapping(body: dict, name: str) -> dict:

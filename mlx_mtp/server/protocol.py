@@ -23,9 +23,10 @@ from ..engine import Request, TokenLogprob
 from ..grammar import Grammar
 from ..processors import MAX_LOGPROBS, Penalties
 from ..stats import Stats
+from ..generate import ContextLengthError
 from .common import (APIError, Outcome, ServedModel, StopMatcher, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings, structured,
-                     unsupported)
+                     typed, unsupported)
 
 __all__ = ["APIError", "Job", "ServedModel", "StopMatcher", "check_model", "invalid", "parse_chat",
            "parse_completion", "response", "stream"]
@@ -66,9 +67,10 @@ def parse_chat(body: Any, model: ServedModel) -> Job:
     thinking = options.pop("enable_thinking", model.thinking)
     if not isinstance(thinking, bool):
         raise invalid("chat_template_kwargs", "`chat_template_kwargs.enable_thinking` must be true or false")
-    tools, forced = _tools(body)
+    tools, forced = _tools(body, model)
     return _job(body, "chat.completion", model, forced, messages=_messages(body.get("messages")), tools=tools,
-                enable_thinking=thinking, chat_template_kwargs=options or None)
+                allow_tool_calls=body.get("tool_choice") != "none", enable_thinking=thinking,
+                chat_template_kwargs=options or None)
 
 
 def parse_completion(body: Any, model: ServedModel) -> Job:
@@ -88,8 +90,11 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
         max_tokens = integer(body, "max_tokens", low=1)
     stream = flag(body, "stream", False)
     options = mapping(body, "stream_options")
+    for name, of in (("user", str), ("metadata", dict), ("store", bool), ("service_tier", str),
+                     ("reasoning_effort", str)):
+        typed(body, name, of)  # fields with no use here, checked as OpenAI checks them
     request = Request(
-        **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body),
+        **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, 2.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
         penalties=_penalties(body, model.vocab_size), grammar=structured(body, _response_format(body), forced),
         logprobs=_logprobs(body, kind),
@@ -112,16 +117,17 @@ def _is_default(name: str, value: Any) -> bool:
     return not value
 
 
-def _tools(body: dict) -> tuple[Optional[list], Optional[Grammar]]:
-    """The tools the model may call (none with `tool_choice: "none"`), and the grammar of a
-    call `tool_choice` forces ("required", or a named function)."""
+def _tools(body: dict, model: ServedModel) -> tuple[Optional[list], Optional[Grammar]]:
+    """The tools declared (under `tool_choice: "none"` too, as OpenAI keeps them; the model just
+    cannot call them), and the grammar of a call `tool_choice` forces ("required", or a named
+    function)."""
     choice = body.get("tool_choice")
     named = isinstance(choice, dict)
     if choice not in (None, "auto", "none", "required") and not named:
         raise invalid("tool_choice", '`tool_choice` must be "auto", "none", "required" or a function')
     tools = body.get("tools")
     checked("tools", chat_format.check_tools, tools)
-    tools = list(tools) if tools and choice != "none" else None
+    tools = list(tools) if tools else None
     if choice != "required" and not named:
         return tools, None
     name = None
@@ -130,7 +136,7 @@ def _tools(body: dict) -> tuple[Optional[list], Optional[Grammar]]:
         if not isinstance(name, str):
             raise invalid("tool_choice", '`tool_choice` names a function as {"type": "function", "function": '
                                          '{"name": ...}}')
-    return tools, forced_calls(tools, name, flag(body, "parallel_tool_calls", True))
+    return tools, forced_calls(tools, name, flag(body, "parallel_tool_calls", True), model)
 
 
 def _response_format(body: dict) -> Optional[Grammar]:
@@ -286,11 +292,28 @@ def timings(stats: Optional[Stats]) -> Optional[dict]:
     }
 
 
-def finish_reason(outcome: Outcome) -> Optional[str]:
-    """"tool_calls" when the model stopped after calling tools."""
-    if outcome.tool_calls and outcome.finish_reason == "stop" and outcome.stop_sequence is None:
+def finish_reason(outcome: Outcome, chat: bool = True) -> Optional[str]:
+    """"tool_calls" when the model stopped after calling tools; "stop" (with a `finish_detail`)
+    where the output constraint allowed no further token."""
+    if outcome.dead_end:
+        return "stop"
+    if chat and outcome.tool_calls and outcome.finish_reason == "stop" and outcome.stop_sequence is None:
         return "tool_calls"
     return outcome.finish_reason
+
+
+def finish_detail(outcome: Outcome) -> dict:
+    """This server's `finish_detail` beside a standard `finish_reason`, where there is more to say."""
+    return {"finish_detail": "dead_end"} if outcome.dead_end else {}
+
+
+def context_error(error: ContextLengthError, job: Job) -> APIError:
+    """OpenAI's words for a prompt that does not fit (its `context_length_exceeded`)."""
+    what = "messages" if job.chat else "prompt"
+    message = str(error) if error.context is None else (
+        f"This model's maximum context length is {error.context} tokens. However, your {what} resulted in "
+        f"{error.prompt_tokens} tokens. Please reduce the length of the {what}.")
+    return APIError(400, message, param=what, code="context_length_exceeded")
 
 
 def response(job: Job, parts: list, outcome: Outcome) -> dict:
@@ -303,10 +326,10 @@ def response(job: Job, parts: list, outcome: Outcome) -> dict:
         if reply.tool_calls:
             message["tool_calls"] = [_tool_call(c) for c in reply.tool_calls]
         choice = {"index": 0, "message": message, "logprobs": logprobs(job, outcome),
-                  "finish_reason": finish_reason(outcome)}
+                  "finish_reason": finish_reason(outcome), **finish_detail(outcome)}
     else:
         choice = {"index": 0, "text": reply.content, "logprobs": logprobs(job, outcome),
-                  "finish_reason": outcome.finish_reason}
+                  "finish_reason": finish_reason(outcome, chat=False), **finish_detail(outcome)}
     return {**_head(job, job.object), "choices": [choice], "usage": usage(outcome), "timings": timings(outcome.stats)}
 
 
@@ -336,10 +359,11 @@ def _logprob(entry: TokenLogprob) -> dict:
 
 
 def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] = None, first: bool = False,
-          logprobs: Optional[dict] = None, **extra) -> dict:
+          logprobs: Optional[dict] = None, detail: Optional[dict] = None, **extra) -> dict:
     """One streamed piece; a chat stream's first chunk carries the role."""
     if not job.chat:
-        choice = {"index": 0, "text": part.text if part else "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": part.text if part else "", "logprobs": logprobs, "finish_reason": finish_reason,
+                  **(detail or {})}
         return {**_head(job, "text_completion"), "choices": [choice], **extra}
     if first:
         delta: dict = {"role": "assistant", "content": ""}
@@ -349,7 +373,7 @@ def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] =
         delta = {"tool_calls": [_tool_call(part.call, index=True)]}
     else:
         delta = {"reasoning_content" if part.kind == "reasoning" else "content": part.text}
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **(detail or {})}
     return {**_head(job, "chat.completion.chunk"), "choices": [choice], **extra}
 
 
@@ -360,14 +384,19 @@ def usage_chunk(job: Job, outcome: Outcome) -> dict:
 
 
 async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI streams them, ending with `data: [DONE]`."""
+    """Server-sent events as OpenAI streams them, ending with `data: [DONE]`; an SSE comment
+    keeps the connection alive while nothing comes (a long prefill)."""
     if job.chat:
         yield _frame(chunk(job, first=True))
     try:
         async for part in parts:  # a part carries the log-probabilities of the tokens read up to it
+            if part.kind == "keepalive":
+                yield ": keep-alive\n\n"
+                continue
             yield _frame(chunk(job, part, logprobs=logprobs(job, outcome)))
-        final = finish_reason(outcome) if job.chat else outcome.finish_reason
-        yield _frame(chunk(job, finish_reason=final, logprobs=logprobs(job, outcome), timings=timings(outcome.stats)))
+        final = finish_reason(outcome, chat=job.chat)
+        yield _frame(chunk(job, finish_reason=final, logprobs=logprobs(job, outcome), detail=finish_detail(outcome),
+                           timings=timings(outcome.stats)))
         if job.include_usage:
             yield _frame(usage_chunk(job, outcome))
     except APIError as e:  # the headers are out: the error travels in the stream
