@@ -12,7 +12,7 @@ from scripted import KEY, serve_scripted
 from mlx_mtp.server.metrics import parse as parse_metrics
 
 MODEL = "gemma4-scripted"
-CHUNK, KEEPALIVE = 0.45, 0.4  # seconds: a prompt chunk (512 tokens), the keep-alive period
+CHUNK, KEEPALIVE = 0.45, 0.3  # seconds: a prompt chunk (512 tokens), the keep-alive period
 SEVEN = "Please work out six times seven for me."
 
 
@@ -63,11 +63,11 @@ def test_a_client_that_gives_up_every_t_seconds_gets_its_answer_and_nothing_is_p
         if tries[-1][2]:
             break
     assert 3 <= len(tries) < 10 and tries[-1][2]
-    for opened, events, _ in tries:  # headers, message_start and a ping within a second, pings meanwhile
-        assert opened < 1.0 and [e["type"] for _, e in events[:2]] == ["message_start", "ping"]
-        assert events[1][0] < 1.0
-    pings = [t for t, e in tries[0][1] if e["type"] == "ping"]
-    assert len(pings) >= 2 and max(b - a for a, b in zip(pings, pings[1:])) < KEEPALIVE + 0.3
+    for opened, events, _ in tries:  # headers, message_start and a ping at once (0.5 s), pings meanwhile
+        assert opened < 1.5 and [e["type"] for _, e in events[:2]] == ["message_start", "ping"]
+        assert events[1][0] < 1.5
+    pings = [[t for t, e in events if e["type"] == "ping"] for _, events, _ in tries[:-1]]
+    assert max(map(len, pings)) >= 2 and all(b - a < KEEPALIVE + 0.6 for p in pings for a, b in zip(p, p[1:]))
     text = "".join(e["delta"].get("text", "") for _, e in tries[-1][1] if e["type"] == "content_block_delta")
     assert text == "42, of course."
     usage = tries[-1][1][-2][1]["usage"]  # message_delta: what the last try read and prefilled
@@ -85,7 +85,7 @@ def test_an_openai_stream_opens_with_its_role_chunk_then_comments_until_the_answ
             if line:
                 lines.append((time.monotonic() - start, line))
     first = json.loads(lines[0][1].removeprefix("data: "))
-    assert lines[0][0] < 1.0 and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert lines[0][0] < 1.5 and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     content = next(i for i, (_, line) in enumerate(lines) if '"content":"4' in line)
     assert content >= 3 and all(line == ": keep-alive" for _, line in lines[1:content])
     assert lines[content][0] > 7 * CHUNK * 0.8 and lines[-1][1] == "data: [DONE]"
