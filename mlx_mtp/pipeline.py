@@ -382,8 +382,10 @@ def load(model: Union[str, Path], drafter: Union[str, Path, None], dtype: Option
     usual, the other ranks call `loaded.target.pipeline.follow(loaded)`.
 
     Raises:
-        PlacementError: E2B/E4B, more ranks than layers, or a drafter that cannot be placed.
+        PlacementError: E2B/E4B, more ranks than layers, a drafter that cannot be placed, or
+            MLX's CUDA backend.
     """
+    check_backend()
     target, config, path = load_model(model, dtype=dtype, lazy=True)
     draft = None
     if drafter is not None:
@@ -405,6 +407,14 @@ def load(model: Union[str, Path], drafter: Union[str, Path, None], dtype: Option
         proposer = SendDrafts(MTPProposer(draft, target), stage) if stage.last else DraftsFromLast(stage)
     tokenizer = load_tokenizer(path) if group.leader else None
     return Loaded(target, tokenizer, proposer, eos_ids(path, config))
+
+
+def check_backend() -> None:
+    """Stages pass activations with `mx.distributed.send`/`recv`, which MLX's CUDA backend does not
+    implement (its NCCL backend has collectives only)."""
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        raise PlacementError("pipeline parallelism needs mx.distributed send/recv, which MLX's CUDA backend "
+                             "does not have: run one process per GPU instead")
 
 
 def run(loaded: Loaded, group: Group, front_end: Callable[[], T]) -> Optional[T]:
