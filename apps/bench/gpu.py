@@ -209,6 +209,8 @@ def bench_shape(shape: str, sizes: Sizes, args, copy_rate: float, log) -> dict:
     if not args.no_peers:
         out["peers"] = peers.compare(target, drafter, (config, weights), (d_config, d_weights), prompts,
                                      {B: plain[B] for B in (1, 4)}, PEER_K, tokens, log)
+    out["seconds"] = time.perf_counter() - started  # the shape's share of the suite's time
+    log(f"{shape}: {out['seconds']:.0f} s in all")
     return out
 
 
@@ -294,7 +296,7 @@ def _x(value) -> str:
 def figures(r: dict) -> dict:
     """One shape's figures as text, in table order."""
     out = {"weights, target + assistant (GiB)": f"{r['target_gib']:.2f} + {r['assistant_gib']:.2f}",
-           "built in memory (s)": f"{r['build_s']:.1f}",
+           "built in memory (s); the whole shape (s)": f"{r['build_s']:.1f}; {r['seconds']:.0f}",
            "first token after load (s)": f"{r['first_token_after_load_s']:.2f}"}
     for n, p in r["prefill"].items():
         out[f"prefill {n} tokens (tok/s)"] = f"{p['tok_s']:.0f}"
