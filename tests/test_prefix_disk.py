@@ -276,3 +276,35 @@ def test_two_processes_share_one_directory_without_damage(tmp_path):
         disk._read(f.name[: -len(".safetensors")], touch=False)
     assert disk.stats.corrupt == 0
 
+
+def test_a_restarted_server_serves_what_the_last_one_stored(tmp_path):
+    """The README's flags: a server on a directory, stopped (SIGTERM) and started again, answers an
+    agent's call from the states the first one stored; usage and /metrics say so."""
+    import httpx
+    import openai
+
+    from apps.serve_load import free_port, start_server, stop_server, wait_healthy
+    from mlx_mtp.server.metrics import parse
+
+    messages = [{"role": "system", "content": "You write Python. " * 20}, {"role": "user", "content": "Sort a list."}]
+    replies = []
+    for run in range(2):
+        port = free_port()
+        proc = start_server([sys.executable, "-m", "mlx_mtp.server", "--prompt-cache-dir", str(tmp_path / "states"),
+                             "--prompt-cache-disk-gb", "0.5", "--log-level", "warning"], port, str(tmp_path / "log"))
+        try:
+            wait_healthy(proc, port)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model="mlx-mtp-demo", messages=messages, max_tokens=16,
+                                                   temperature=0)
+            metrics = parse(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+        finally:
+            stop_server(proc)
+        assert proc.returncode == 0, (tmp_path / "log").read_text()
+        replies.append((reply.choices[0].message.content, reply.usage, metrics))
+    (first, usage0, metrics0), (again, usage1, metrics1) = replies
+    assert first == again and usage0.prompt_tokens_details.cached_tokens == 0
+    assert usage1.prompt_tokens_details.cached_tokens == usage1.prompt_tokens - 1 > 100
+    assert metrics0["mlx_mtp:prefix_cache_disk_writes_total"] >= 2 and metrics0["mlx_mtp:prefix_cache_disk_bytes"] > 0
+    assert metrics1["mlx_mtp:prefix_cache_disk_hits_total"] == 1
+    assert metrics1["mlx_mtp:prefix_cache_disk_hit_tokens_total"] == usage1.prompt_tokens - 1
