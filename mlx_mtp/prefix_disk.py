@@ -7,7 +7,7 @@ deeper here than in memory loads it instead of prefilling. A state of m tokens i
 memory: the full-attention K/V of positions 0..m-1 and the sliding K/V of its ring's tail
 `anchor`..m-1, so it restores exactly at any p from `first` (anchor + W + 1; 1 for anchor 0) to m.
 
-Files. A state is a small file (its tokens, where it restores, the list of its segments); K/V live
+Files. A state is a small file (where it restores, its last tokens, its segments); K/V live
 in segment files, each one attention type's K/V of positions lo..hi-1, named by a hash of the
 model, the type, lo and every token before hi (all they depend on). A state reuses the segments of
 the deepest stored state its tokens extend (its ancestor) and writes only the positions after it,
@@ -162,19 +162,16 @@ class DiskTier:
         """Fill the empty one-row `cache` from the stored state restoring the most of `ids`, if
         more than `beyond` tokens. Returns how many it holds (0: a miss, the cache stays empty)."""
         while (found := self.lookup(ids, beyond)) is not None:
-            if self._restore(*found, ids, cache):
+            if self._restore(*found, cache):
                 self.stats.hits += 1
                 self.stats.hit_tokens += found[1]
                 return found[1]
         self.stats.misses += 1
         return 0
 
-    def _restore(self, entry: _Entry, p: int, ids: np.ndarray, cache: KVCache) -> bool:
-        try:
-            arrays, meta = self._read(entry.name)
-            if not np.array_equal(np.array(arrays["tokens"][:p]), ids[:p]):
-                raise self._corrupt(entry.name, "its tokens differ from its name's")
-            segments = json.loads(meta["segments"])
+    def _restore(self, entry: _Entry, p: int, cache: KVCache) -> bool:
+        try:  # (its first p tokens are ids': a hash of those before `first` and the rest one by one agree)
+            segments = json.loads(self._read(entry.name)[1]["segments"])
             full = self._gather(entry.name, segments, FULL, 0, p)
             sliding = self._gather(entry.name, segments, SLIDING, max(p - self.window - 1, 0), p)
         except (_Vanished, _Corrupt):  # a state whose segment is gone is of no use either
@@ -227,7 +224,7 @@ class DiskTier:
             segments = self._segments(ids, cache, anchor, hashes[m])
             meta = dict(length=m, anchor=anchor, first=first, head=entry.head, tail=entry.tail.tolist(),
                         segments=segments)
-            self._write(name, {"tokens": mx.array(ids)}, {k: json.dumps(v) for k, v in meta.items()})
+            self._write(name, {}, {k: json.dumps(v) for k, v in meta.items()})
         except OSError as e:
             self.writable = False
             log.warning("prefix cache: writing to %s failed (%s); new states stay in memory only", self.dir, e)
@@ -244,9 +241,9 @@ class DiskTier:
             sliding, s_lo = [], anchor
         else:
             s_lo = max(start, anchor)
-        full_new, sliding_new = (self._segment(cache, kind, lo, m, end_hash) for kind, lo in ((FULL, start),
-                                                                                            (SLIDING, s_lo)))
-        return full + [s for s in (full_new,) if s] + sliding + [s for s in (sliding_new,) if s]
+        full_new = self._segment(cache, FULL, start, m, end_hash)
+        sliding_new = self._segment(cache, SLIDING, s_lo, m, end_hash)
+        return [*full, *filter(None, [full_new]), *sliding, *filter(None, [sliding_new])]
 
     def _ancestor(self, ids: np.ndarray, anchor: int) -> tuple[int, list, Optional[list]]:
         """(its length, its full-attention segments, its sliding ones from `anchor` on, None if
