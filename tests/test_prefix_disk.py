@@ -269,6 +269,7 @@ def test_two_processes_share_one_directory_without_damage(tmp_path):
         assert "damaged" not in err, err
     counts = np.array([[int(n) for n in out.split()[1:]] for out, _ in results])
     assert counts[:, 0].sum() > 0 and counts[:, 1].sum() > 0  # restores happened, and evictions
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # nothing written outside the directory
     files = model_files(tmp_path / "cache")
     assert files and sum(f.stat().st_size for f in files) <= int(budget) + 20_000
     disk = tier(tmp_path / "cache", tiny_target("dense"))
