@@ -232,6 +232,8 @@ class Leader(Stage):
     def made(self, gen) -> None:
         if gen.proposer is not None and not isinstance(gen.proposer, DraftsFromLast):
             raise GroupError("in a pipeline group only the group's own drafter (pipeline.load) can draft")
+        if gen.prefix is not None and gen.prefix.disk is not None:  # each rank would have to read its own layers
+            raise GroupError("the prefix cache's disk tier (prompt_cache_dir) does not run in a pipeline group")
         fixed = gen.policy.fixed
         with self._turn:  # numbered in the order the other ranks hear of them
             gen_id, prefix = next(self._ids), self._prefix_id(gen.prefix)

@@ -180,7 +180,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
     a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
                                                                   "seeded (comma list)")
-    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
+    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on, off, disk (on, with "
+                                                      "--prompt-cache-dir, then a new server on that directory)")
     a.set_defaults(repeats=1)
 
     x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "
