@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +16,7 @@ import pytest
 from chat_helpers import DRAFTER, make_chat_model
 from conftest import tiny_target
 from test_prefix_cache import HOT, W, agent_session, ids, prefill
+from test_prefix_cache import sessions as memory_sessions
 
 import mlx_mtp
 from mlx_mtp import prefix_disk
@@ -197,18 +197,11 @@ def test_a_full_disk_degrades_to_memory_only_with_one_warning(tmp_path, loaded, 
 
 
 def sessions(loaded, directory, budget, n_sessions=3, n_calls=5, **kw):
-    """Concurrent agent sessions (see test_prefix_cache) on an Engine with the disk tier."""
-    out = {}
-    options = dict(prompt_cache_bytes=budget, prompt_cache_dir=directory) if directory else dict(prompt_cache_bytes=0)
-    with Engine(loaded, max_batch=4, **options) as engine:
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, agent_session(engine, n_calls, tag=i, **kw)))
-                   for i in range(n_sessions)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10 * WAIT)
-        metrics = engine.metrics()
-    return out, metrics
+    """Concurrent agent sessions (see test_prefix_cache) on an Engine with the disk tier (none: the
+    prefix cache off)."""
+    if directory is None:
+        return memory_sessions(loaded, 0, n_sessions, n_calls, **kw)
+    return memory_sessions(loaded, budget, n_sessions, n_calls, dict(prompt_cache_dir=directory), **kw)
 
 
 @pytest.mark.parametrize("seeded", [False, True])
