@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 from typing import Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
@@ -37,6 +38,7 @@ from .conversation import Conversation, Turn
 from .generate import Detokenizer, encode, token_piece
 from .grammar import Grammar, vocabulary
 from .prefix_cache import PrefixCache, token_bytes
+from .prefix_disk import open_disk_tier
 from .processors import MAX_LOGPROBS, NONE, Penalties
 from .sample import SamplingParams
 from .speculative import MAX_ROLLBACK, check_draft_tokens
@@ -306,6 +308,9 @@ class Engine:
         prompt_cache_bytes: the prefix cache's budget (default: `self.memory.prefix_cache`, a
             quarter of what the weights leave); 0 turns it off (conversations still keep their
             latest turn).
+        prompt_cache_dir: a directory where the prefix cache also keeps its states, for later
+            requests and later processes (`mlx_mtp.prefix_disk`); None: memory only.
+        prompt_cache_disk_bytes: the directory's budget (default 16 GiB), least recently used out first.
 
     Conversations live in the engine and share the model; the states of each one's latest turn
     stay in the prefix cache until `close_conversation`. Cancelling a conversation request keeps
@@ -316,7 +321,8 @@ class Engine:
 
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
                  memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto",
-                 prompt_cache_bytes: Optional[int] = None):
+                 prompt_cache_bytes: Optional[int] = None, prompt_cache_dir=None,
+                 prompt_cache_disk_bytes: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
@@ -329,6 +335,11 @@ class Engine:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
         self.prompt_cache_bytes = prompt_cache_bytes
         log.info("%s", self.memory.describe(prompt_cache_bytes))
+        if prompt_cache_disk_bytes is not None and prompt_cache_disk_bytes <= 0:
+            raise ValueError(f"prompt_cache_disk_bytes must be > 0, got {prompt_cache_disk_bytes}")
+        if prompt_cache_dir is not None:
+            os.makedirs(prompt_cache_dir, exist_ok=True)  # an unusable path fails here, on the caller's thread
+        self.prompt_cache_dir, self.prompt_cache_disk_bytes = prompt_cache_dir, prompt_cache_disk_bytes
         self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -463,7 +474,10 @@ class Engine:
             self._serve()
 
     def _serve(self) -> None:
-        self._prefix = PrefixCache(self.loaded.target, self.prompt_cache_bytes)
+        disk = None if self.prompt_cache_dir is None else open_disk_tier(
+            self.prompt_cache_dir, self.loaded.target, self.prompt_cache_disk_bytes,
+            prefill_chunk=self._options["prefill_chunk"])  # how prompts are cut: part of what K/V depend on
+        self._prefix = PrefixCache(self.loaded.target, self.prompt_cache_bytes, disk)
         self._gen = self._generator()
         self._token_bytes, self._ring_bytes = _kv_bytes(self.loaded.target)
         try:
@@ -693,10 +707,7 @@ class Engine:
                 spec_draft_tokens=s.drafted,
                 spec_accepted_tokens=s.accepted,
                 spec_accepted_per_pos=list(s.accepted_at),
-                prefix_cache_queries=self._prefix.stats.queries,
-                prefix_cache_hits=self._prefix.stats.hits,
-                prefix_cache_bytes=self._prefix.nbytes,
-                prefix_cache_states=self._prefix.checkpoints,
+                **self._prefix.metrics(),
             )
 
     @staticmethod

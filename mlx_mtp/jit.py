@@ -3,8 +3,9 @@
 MLX keeps a trace of a compiled function for every set of argument shapes and constants it meets,
 about 2 KB per graph node, for as long as the function lives: `Bounded` drops them all past a
 number of signatures. On the CPU backend each fused kernel of a compiled graph is C++ built by the
-system compiler the first time it is used (about half a second each), then kept on disk, under
-the temporary directory, for every later run: a fresh machine's first reply can take many seconds.
+system compiler the first time it is used (about half a second each), on the CUDA backend by NVRTC,
+then kept on disk, under the temporary directory, for every later run: a fresh machine's first
+reply can take many seconds.
 Front ends say so instead of looking hung; the library only reports it, through a callback.
 """
 
@@ -53,18 +54,25 @@ def signature(tree: Any) -> Any:
     return tree
 
 
-def kernel_dir() -> Path:
-    """Where MLX's CPU backend keeps the kernels it compiled (per MLX version)."""
-    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+def kernel_dir() -> Optional[Path]:
+    """Where MLX keeps the kernels it compiled (per MLX version): C++ built by the system compiler
+    on the CPU backend, PTX built by NVRTC on the CUDA backend. None on Metal, whose kernels
+    build in milliseconds."""
+    built = Path(tempfile.gettempdir()) / "mlx" / mx.__version__
+    if mx.default_device() == mx.cpu:
+        return built / "cpu"
+    if mx.cuda.is_available():
+        return Path(os.environ.get("MLX_PTX_CACHE_DIR") or built / "ptx")
+    return None
 
 
 def on_first_compile(say: Callable[[], None], every: float = 0.2) -> Optional[threading.Thread]:
     """Call `say()` once, from a daemon thread, as soon as MLX starts writing new kernels (none
-    on a machine that has run this before, or on a GPU, whose kernels build in milliseconds).
-    Returns the watching thread, or None where there is nothing to watch."""
-    if mx.default_device() != mx.cpu:
-        return None
+    on a machine that has run this before, or on Metal). Returns the watching thread, or None
+    where there is nothing to watch."""
     folder = kernel_dir()
+    if folder is None:
+        return None
     before = _stamp(folder)
 
     def watch():

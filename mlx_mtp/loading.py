@@ -142,26 +142,34 @@ def load_model(
     """
     path = resolve(path_or_repo)
     config = read_config(path)
-    model_type = config.get("model_type")
-    if model_type is None:
+    if config.get("model_type") is None:
         raise ConfigError(f"{path / 'config.json'} has no model_type")
-    module = model_module(model_type)
     check_quantization(config, path)
+    model_module(config["model_type"])  # an unknown type fails before any weight is read
+    model = model_from_weights(config, load_weights(weight_files(path)), dtype, lazy, where=str(path))
+    return model, config, path
+
+
+def model_from_weights(config: dict[str, Any], weights: dict[str, mx.array], dtype: Optional[mx.Dtype] = None,
+                       lazy: bool = False, where: str = "weights") -> nn.Module:
+    """A model from its config and its tensors under checkpoint (or converter) names, as
+    `load_model` builds it from files; the model holds the arrays given, without copies."""
+    module = model_module(config["model_type"])
     model = module.Model(module.Config.from_dict(config))
-    weights = model.sanitize(load_weights(weight_files(path)))
+    weights = model.sanitize(weights)
     if "quantization" in config:
         apply_quantization(model, config["quantization"], module, present=weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise WeightsError(f"{path}: weights do not match the config: {e}") from e
+        raise WeightsError(f"{where}: weights do not match the config: {e}") from e
     if dtype is not None:
         cast_floats(model, dtype)
     if not lazy:
         widen_experts(model)
         mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
-    return model, config, path
+    return model
 
 
 def _private_arrays(model: nn.Module) -> list[mx.array]:

@@ -4,13 +4,14 @@ On a Mac the GPU shares the system's memory, and macOS may page out any buffer t
 wired: a model of many GiB that gets paged decodes at disk speed. So, as mlx-lm does, the model's
 buffers are wired (up to Metal's recommended working set) while it generates. MLX also keeps
 freed buffers for reuse, without bound unless limited. Both are process-wide settings:
-`generating()` sets them on a GPU for as long as generation runs and restores them after; on
-the CPU it leaves them alone (wiring is a Metal notion).
+`generating()` sets them on a GPU for as long as generation runs and restores them after. An
+NVIDIA GPU (MLX's CUDA backend) has memory of its own, which nothing pages: only the buffer cache
+is bounded there. On the CPU both are left alone (wiring is a Metal notion).
 
 The defaults follow `mx.device_info()`. Of the memory the device should use (the recommended
-working set on a GPU, the physical memory on the CPU), what the weights leave is split: half for
-the KV cache of the running batch (the Engine's `memory_limit`), a quarter for the prefix cache,
-an eighth for MLX's buffer cache, and the rest for activations.
+working set on a Mac's GPU, an NVIDIA GPU's own memory, the physical memory on the CPU), what the
+weights leave is split: half for the KV cache of the running batch (the Engine's `memory_limit`),
+a quarter for the prefix cache, an eighth for MLX's buffer cache, and the rest for activations.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mlx.utils import tree_flatten
 log = logging.getLogger(__name__)
 
 GiB = 2**30
+BACKENDS = {"metal": "Metal", "cuda": "CUDA", "cpu": "CPU"}  # Device.backend -> its name in reports
 TIGHT = 0.9  # a model above this share of the working set leaves too little for the rest
 
 
@@ -38,8 +40,8 @@ class Device:
 
     name: str
     gpu: bool
-    memory: int  # bytes: unified memory on a Mac, physical memory on the CPU
-    working_set: Optional[int] = None  # Metal's recommended working set; None on the CPU
+    memory: int  # bytes: unified memory on a Mac, an NVIDIA GPU's own, physical memory on the CPU
+    working_set: Optional[int] = None  # Metal's recommended working set; None elsewhere
 
     @classmethod
     def current(cls) -> "Device":
@@ -52,14 +54,21 @@ class Device:
         return cls(name, gpu, int(memory), int(working_set) if working_set else None)
 
     @property
+    def backend(self) -> str:
+        """MLX's backend: "metal" (a GPU with a recommended working set), "cuda" or "cpu"."""
+        if not self.gpu:
+            return "cpu"
+        return "metal" if self.working_set is not None else "cuda"
+
+    @property
     def budget(self) -> int:
         """Bytes MLX should stay within on this device."""
         return self.working_set or self.memory
 
     @property
     def wires(self) -> bool:
-        """Whether generation wires buffers here: a GPU with a recommended working set (Metal)."""
-        return self.gpu and self.working_set is not None
+        """Whether generation wires buffers here (Metal)."""
+        return self.backend == "metal"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,8 @@ class MemoryPlan:
         if self.wired_limit is not None:
             limits = (f"wired limit {size(self.wired_limit)}, buffer cache limit {size(self.cache_limit)} "
                       "while generating")
+        elif self.cache_limit is not None:
+            limits = f"buffer cache limit {size(self.cache_limit)} while generating; nothing wired (CUDA)"
         working_set = f", working set {size(d.working_set)}" if d.working_set else ""
         budget = self.prefix_cache if prefix_cache is None else prefix_cache
         prefix = size(budget) if budget else "off"
@@ -99,10 +110,9 @@ def plan(*models, device: Optional[Device] = None) -> MemoryPlan:
     # At least an eighth of the budget, so a model that fills the device runs (slowly) rather
     # than refusing every request.
     room = max(device.budget - weights, device.budget // 8)
-    if not device.wires:
-        return MemoryPlan(device, weights, room // 2, room // 4, wired_limit=None, cache_limit=None)
-    return MemoryPlan(device, weights, room // 2, room // 4, wired_limit=device.working_set,
-                      cache_limit=room // 8)
+    wired = device.working_set if device.wires else None
+    return MemoryPlan(device, weights, room // 2, room // 4, wired_limit=wired,
+                      cache_limit=room // 8 if device.gpu else None)
 
 
 def nbytes(model) -> int:
@@ -123,9 +133,10 @@ _warned = False
 
 @contextlib.contextmanager
 def generating(*models) -> Iterator[None]:
-    """Wire the models' buffers and bound MLX's buffer cache while the block generates; restore
-    both after it, once every buffer it queued is done. Nested and concurrent blocks share one
-    setting: the first applies it and the last restores it. On the CPU nothing is touched."""
+    """Wire the models' buffers (Metal) and bound MLX's buffer cache (any GPU) while the block
+    generates; restore both after it, once every buffer it queued is done. Nested and concurrent
+    blocks share one setting: the first applies it and the last restores it. On the CPU nothing
+    is touched."""
     if not _enter(models):
         yield
         return
@@ -138,17 +149,18 @@ def generating(*models) -> Iterator[None]:
 def _enter(models) -> bool:
     global _depth, _active, _saved, _warned
     device = Device.current()
-    if not device.wires:
+    if not device.gpu:
         return False
     with _lock:
         if _depth == 0:
             p = plan(*models, device=device)
-            if p.tight and not _warned:
+            if p.tight and not _warned and device.wires:
                 _warned = True
                 log.warning("the weights (%s) take over %d%% of the recommended working set (%s): expect "
                             "them to be paged, and slow generation", size(p.model_bytes), 100 * TIGHT,
                             size(p.wired_limit))
-            _saved = (_set_wired_limit(p.wired_limit), mx.set_cache_limit(p.cache_limit))
+            wired = _set_wired_limit(p.wired_limit) if p.wired_limit is not None else None
+            _saved = (wired, mx.set_cache_limit(p.cache_limit))
             _active = p if _saved[0] is not None else dataclasses.replace(p, wired_limit=None)
         _depth += 1
         return True

@@ -232,6 +232,8 @@ class Leader(Stage):
     def made(self, gen) -> None:
         if gen.proposer is not None and not isinstance(gen.proposer, DraftsFromLast):
             raise GroupError("in a pipeline group only the group's own drafter (pipeline.load) can draft")
+        if gen.prefix is not None and gen.prefix.disk is not None:  # each rank would have to read its own layers
+            raise GroupError("the prefix cache's disk tier (prompt_cache_dir) does not run in a pipeline group")
         fixed = gen.policy.fixed
         with self._turn:  # numbered in the order the other ranks hear of them
             gen_id, prefix = next(self._ids), self._prefix_id(gen.prefix)
@@ -382,8 +384,10 @@ def load(model: Union[str, Path], drafter: Union[str, Path, None], dtype: Option
     usual, the other ranks call `loaded.target.pipeline.follow(loaded)`.
 
     Raises:
-        PlacementError: E2B/E4B, more ranks than layers, or a drafter that cannot be placed.
+        PlacementError: E2B/E4B, more ranks than layers, a drafter that cannot be placed, or
+            MLX's CUDA backend.
     """
+    check_backend()
     target, config, path = load_model(model, dtype=dtype, lazy=True)
     draft = None
     if drafter is not None:
@@ -405,6 +409,14 @@ def load(model: Union[str, Path], drafter: Union[str, Path, None], dtype: Option
         proposer = SendDrafts(MTPProposer(draft, target), stage) if stage.last else DraftsFromLast(stage)
     tokenizer = load_tokenizer(path) if group.leader else None
     return Loaded(target, tokenizer, proposer, eos_ids(path, config))
+
+
+def check_backend() -> None:
+    """Stages pass activations with `mx.distributed.send`/`recv`, which MLX's CUDA backend does not
+    implement (its NCCL backend has collectives only)."""
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        raise PlacementError("pipeline parallelism needs mx.distributed send/recv, which MLX's CUDA backend "
+                             "does not have: run one process per GPU instead")
 
 
 def run(loaded: Loaded, group: Group, front_end: Callable[[], T]) -> Optional[T]:

@@ -22,6 +22,9 @@ pin checkpoints (a conversation keeps its latest turn); eviction never touches t
 batch hold their own copy (a batch is one array per layer), so a hit copies its prefix into the
 row: a copy, not a prefill. Sizes are counted from the model's config rather than the arrays at
 hand, so the ranks of a pipeline group, each holding some layers, count and evict alike.
+
+Disk: with a `DiskTier` (`prefix_disk.py`) every state kept is also written to a directory, and a
+request whose deepest match is deeper there than in memory loads it (and keeps it in memory too).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import FULL, SLIDING, KVCache
+from .prefix_disk import DiskTier
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,15 +77,17 @@ class PrefixCache:
         target: the target model (its cache layout and K/V sizes).
         budget: bytes of K/V the cache may hold (pinned checkpoints aside); 0 keeps nothing
             that is not pinned.
+        disk: where states are also written and looked up (None: memory only).
     """
 
-    def __init__(self, target, budget: int):
+    def __init__(self, target, budget: int, disk: Optional[DiskTier] = None):
         if budget < 0:
             raise ValueError(f"a prefix cache budget must be >= 0 bytes, got {budget}")
         self.window = target.make_cache(1).window
         self.token_bytes = token_bytes(target)
         self.budget = int(budget)
         self.stats = PrefixStats()
+        self.disk = disk
         self.clear()
 
     def clear(self) -> None:
@@ -95,11 +101,23 @@ class PrefixCache:
     def checkpoints(self) -> int:
         return len(self._lru)
 
+    def metrics(self) -> dict:
+        """Counters for monitoring (`Engine.metrics`), the disk tier's included."""
+        out = dict(prefix_cache_queries=self.stats.queries, prefix_cache_hits=self.stats.hits,
+                   prefix_cache_bytes=self.nbytes, prefix_cache_states=self.checkpoints)
+        if self.disk is not None:
+            out.update({f"prefix_cache_disk_{k}": v for k, v in dataclasses.asdict(self.disk.stats).items()},
+                       prefix_cache_disk_states=self.disk.states)
+        return out
+
     # ---- resuming ----------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` `resume` would restore (0: none)."""
-        return self._deepest(np.asarray(tokens, dtype=np.int32)).length
+        ids = np.asarray(tokens, dtype=np.int32)
+        length = self._deepest(ids).length
+        found = self.disk.lookup(ids, length) if self.disk is not None else None
+        return found[1] if found else length
 
     def resume(self, tokens: Sequence[int], cache: KVCache) -> int:
         """Fill the empty one-row `cache` with the deepest state on `tokens`' path that leaves
@@ -108,6 +126,11 @@ class PrefixCache:
         ids = np.asarray(tokens, dtype=np.int32)
         hit = self._deepest(ids)
         self.stats.queries += len(ids)
+        if self.disk is not None and (m := self.disk.resume(ids, cache, beyond=hit.length)):
+            self.stats.hits += m
+            if self.budget:
+                self._keep(ids[:m], cache)  # the next request finds it in memory
+            return m
         if not hit.length:
             return 0
         self.stats.hits += hit.length
@@ -155,9 +178,16 @@ class PrefixCache:
     def store(self, tokens: Sequence[int], cache: KVCache, pin: Optional[Hashable] = None) -> Optional[_Node]:
         """Keep the state of the one-row `cache`, which holds `tokens`, as a checkpoint; pinned
         by `pin` if given. Returns the checkpoint, or None when the budget leaves it no room."""
-        if pin is None and self.budget == 0 or not len(tokens):
+        if not len(tokens):
             return None
         ids = np.asarray(tokens, dtype=np.int32)
+        if self.disk is not None:
+            self.disk.save(ids, cache, max(int(cache.oldest()[0]), 0))
+        if pin is None and self.budget == 0:
+            return None
+        return self._keep(ids, cache, pin)
+
+    def _keep(self, ids: np.ndarray, cache: KVCache, pin: Optional[Hashable] = None) -> Optional[_Node]:
         node = self._insert(ids, cache)
         anchor = max(int(cache.oldest()[0]), 0)  # what the ring holds: the window's tail at least
         self._hold(node, anchor, cache)

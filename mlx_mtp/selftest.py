@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import sys
 import time
@@ -185,16 +186,39 @@ def header(forced: Optional[bool]) -> list[str]:
     mac = platform.mac_ver()[0]
     system = f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
     kernels = "mx.fast (fused)" if fused_kernels() else "compiled MLX ops (unfused)"
-    wired = f"{memory.size(d.working_set)} while generating" if d.working_set else "left alone (CPU)"
+    wired = {"metal": f"{memory.size(d.working_set or 0)} while generating",
+             "cuda": "nothing (the GPU's own memory)", "cpu": "left alone (CPU)"}[d.backend]
     working_set = f", recommended working set {memory.size(d.working_set)}" if d.working_set else ""
+    tf32 = os.environ.get("MLX_ENABLE_TF32") if d.gpu else None
+    tf32 = f"; MLX_ENABLE_TF32={tf32}" if tf32 is not None else ""
     return [
         f"mlx_mtp {__version__}, mlx {mx.__version__}, Python {platform.python_version()}, {system} "
         f"({platform.machine()})",
-        f"device:  {d.name}, memory {memory.size(d.memory)}{working_set}",
+        f"device:  {d.name}, MLX {memory.BACKENDS[d.backend]} backend, "
+        f"memory {memory.size(d.memory)}{working_set}",
         f"kernels: RoPE/RMSNorm {kernels}{' (forced)' if forced is not None else ''}; "
-        "reference: the CPU stream, unfused",
+        f"reference: the CPU stream, unfused{tf32}",
         f"wired:   {wired}",
+        *both_builds(),
     ]
+
+
+def both_builds() -> list[str]:
+    """A warning line when MLX's CPU and CUDA builds are both installed: they write the same
+    library, and the one written last is what runs (setup.py says how to choose)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> bool:
+        try:
+            return bool(version(name))
+        except PackageNotFoundError:
+            return False
+
+    if not (installed("mlx-cpu") and installed("mlx-cuda-13")):
+        return []
+    running = "CUDA" if mx.cuda.is_available() else "CPU"
+    return [f"warning: MLX's CPU and CUDA builds are both installed and the {running} one runs; "
+            "reinstall with MLX_MTP_BACKEND=cuda (or cpu) to keep one"]
 
 
 COLUMNS = "{:<7}{:<15}{:<6}{:<7}{:>11}{:>11}{:>9}{:>8}{:>8}"
@@ -262,6 +286,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The check compares float32 outputs with the CPU's: MLX's GPU matmuls would otherwise round
+    # float32 inputs to TF32 (10-bit mantissas). Read by MLX at its first GPU matmul.
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
     passed, text = run(args.pairs, args.kernels)
     print(text)
     return 0 if passed else 1

@@ -19,6 +19,8 @@ GiB = 2**30
 MAC = {"device_name": "Apple M3 Max", "architecture": "applegpu_g15s", "memory_size": 64 * GiB,
        "max_recommended_working_set_size": 48 * GiB, "max_buffer_length": 32 * GiB}
 LINUX = {"device_name": "AMD EPYC", "architecture": "x86_64"}  # what MLX's CPU backend reports
+H100 = {"device_name": "NVIDIA H100 80GB HBM3", "architecture": "sm_90", "total_memory": 80 * GiB,
+        "free_memory": 79 * GiB, "compute_capability_major": 9, "compute_capability_minor": 0}  # CUDA's keys
 OLD_WIRED, OLD_CACHE = 7, 9  # what the faked setters say the limits were
 
 
@@ -91,6 +93,22 @@ def test_defaults_follow_the_cpu_memory(device, calls, loaded):
     assert plan.kv_limit == (plan.device.memory - plan.model_bytes) // 2
     assert plan.wired_limit is None and plan.cache_limit is None
     assert "left alone (CPU)" in plan.describe()
+
+
+def test_defaults_follow_an_nvidia_gpu_and_only_the_buffer_cache_is_bounded(device, calls, loaded):
+    """MLX's CUDA backend: the GPU's own memory is the budget; nothing is wired (no working set, no
+    wired limit there), the buffer cache is bounded while generating and restored after."""
+    device(H100, gpu=True)
+    plan = memory.plan(loaded.target, loaded.drafter)
+    room = 80 * GiB - plan.model_bytes
+    assert plan.device.backend == "cuda" and plan.device.budget == 80 * GiB
+    assert (plan.kv_limit, plan.wired_limit, plan.cache_limit) == (room // 2, None, room // 8)
+    assert "nothing wired (CUDA)" in plan.describe() and "NVIDIA H100" in plan.describe()
+    assert generate(loaded) == generate_plain(loaded)
+    assert calls[:4] == [("set_cache_limit", plan.cache_limit), ("synchronize",),
+                         ("set_cache_limit", OLD_CACHE), ("clear_cache",)]
+    assert [c[0] for c in calls[4:]] == [c[0] for c in calls[:4]]  # the plain run: its own plan, same calls
+    assert memory.wired_limit() is None
 
 
 def test_a_model_that_fills_the_device_still_gets_room_and_a_warning(device, calls, caplog, monkeypatch):

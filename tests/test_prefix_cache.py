@@ -142,10 +142,10 @@ def agent_session(engine, n_calls, sampling=None, seed=None, tag=0):
     return outputs, stats
 
 
-def sessions(loaded, budget, n_sessions=3, n_calls=5, **kw):
+def sessions(loaded, budget, n_sessions=3, n_calls=5, engine_options=None, **kw):
     """Concurrent agent sessions sharing a system prompt; (outputs, stats, metrics) per session."""
     out = {}
-    with Engine(loaded, max_batch=4, prompt_cache_bytes=budget) as engine:
+    with Engine(loaded, max_batch=4, prompt_cache_bytes=budget, **(engine_options or {})) as engine:
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, agent_session(engine, n_calls, tag=i, **kw)))
                    for i in range(n_sessions)]
         for t in threads:

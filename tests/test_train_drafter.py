@@ -1,4 +1,4 @@
-"""mlx_mtp.train_drafter on the tiny dense fixture target: the batched training forward equals
+"""apps.train_drafter on the tiny dense fixture target: the batched training forward equals
 the drafter's inference steps, training learns, and the saved drafter loads and drafts better."""
 
 from functools import lru_cache
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, tiny_target
-from mlx_mtp import train_drafter as td
+from apps import train_drafter as td
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.stats import Stats
@@ -96,7 +96,7 @@ def test_train_save_load_and_acceptance(tmp_path):
 
 
 def test_cli_adapts_an_existing_drafter(tmp_path):
-    """`python -m mlx_mtp.train_drafter --init DIR`: adapt the fixture drafter on .npy token ids."""
+    """`python -m apps.train_drafter --init DIR`: adapt the fixture drafter on .npy token ids."""
     stream, _ = greedy_text()
     np.save(tmp_path / "ids.npy", stream.astype(np.uint16))
     log = td.main(["--target", str(TINY / "dense" / "target"), "--init", str(TINY / "dense" / "drafter"),

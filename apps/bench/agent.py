@@ -18,6 +18,12 @@ the cache, `usage.prompt_tokens_details.cached_tokens`), and whether every reply
 cache-off reply. `--pair mid` runs the mid pair (the ~313M Gemma-4-shaped target with random
 weights, here with the demo tokenizer's 4096-token vocabulary and `--context` positions) from a
 checkpoint written once under the user cache dir, for long contexts where prefill dominates.
+
+`--caches disk` (issue 30) runs each scenario on a server that also keeps its states in a fresh
+directory (`--prompt-cache-dir`), stops it (SIGTERM), starts a new server on the directory and
+runs the scenario again ("disk, restarted"): the replayed sessions restore from disk from their
+first call. Reported beside it: the restarted server's first TTFT over the first server's (a cold
+prefill), and the bytes per token new to the sessions that memory and the directory hold.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -63,24 +70,56 @@ def run_agent(args, log) -> dict:
     scenarios = {name: run for (key, (name, run)) in zip(("one", "many", "seeded"), scenarios.items())
                  if key in chosen}
     caches = args.caches.split(",")
-    results = {cache: {} for cache in caches}
+    results, metrics = {}, {}
     for name, run in scenarios.items():
         for cache in caches:
-            budget = str(int(args.prompt_cache_gb * 2**30)) if cache == "on" else "0"
-            url, proc = serve(model, drafter, budget, env, args, log)
-            try:
-                stream(url, "/v1/completions", {"prompt": "import os\n", "max_tokens": 4}, timeout=600)  # warm-up
-                results[cache][name] = run(url)
-            finally:
-                stop_server(proc)
-            done = summary(name, cache, results[cache][name], None, len(tokenizer.encode(system)))
-            log(f"{name}, prefix cache {cache}: done " + json.dumps({k: v for k, v in done.items()
-                                                                    if k != "same_replies"}))
-    rows = [summary(name, cache, runs, results.get("off", {}).get(name), len(tokenizer.encode(system)))
-            for cache in caches for name, runs in results[cache].items()]
+            served = run_servers(cache, run, model, drafter, env, args, log)
+            for server, (runs, served) in zip(_servers(cache), served):
+                results.setdefault(server, {})[name], metrics[server, name] = runs, served
+                done = summary(name, server, runs, None, len(tokenizer.encode(system)), served)
+                log(f"{name}, prefix cache {server}: done " + json.dumps({k: v for k, v in done.items()
+                                                                         if k != "same_replies"}))
+    disk = results.get("disk", {})
+    rows = [summary(name, cache, runs, results.get("off", {}).get(name) or disk.get(name),
+                    len(tokenizer.encode(system)), metrics[cache, name],
+                    disk[name] if cache == "disk, restarted" else None)
+            for cache in results for name, runs in results[cache].items()]
     mismatches = [f"{r['scenario']}: replies differ with the cache on" for r in rows if r["same_replies"] is False]
     return dict(mode="agent", pair=args.pair, description=description, system_tokens=len(tokenizer.encode(system)),
                 calls=args.calls, reply_tokens=args.max_tokens, context=context, rows=rows, mismatches=mismatches)
+
+
+def _servers(cache: str) -> list[str]:
+    return ["disk", "disk, restarted"] if cache == "disk" else [cache]
+
+
+def run_servers(cache: str, run, model, drafter, env, args, log) -> list[tuple[list, dict]]:
+    """The scenario on a fresh server with the prefix cache `cache` (on, off; disk: on a server with a
+    fresh directory, then on a new server on that directory); (its records, /metrics) per server."""
+    budget = "0" if cache == "off" else str(int(args.prompt_cache_gb * 2**30))
+    directory = tempfile.mkdtemp(prefix="mlx_mtp_agent_states_") if cache == "disk" else None
+    extra = ["--prompt-cache-dir", directory] if directory else []
+    out = []
+    try:
+        for _ in _servers(cache):
+            url, proc = serve(model, drafter, budget, env, args, log, extra)
+            try:
+                stream(url, "/v1/completions", {"prompt": "import os\n", "max_tokens": 4}, timeout=600)  # warm-up
+                records = run(url)
+                out.append((records, _metrics(url)))
+            finally:
+                stop_server(proc)
+    finally:
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def _metrics(url: str) -> dict:
+    from mlx_mtp.server.metrics import parse
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        return {k.removeprefix("mlx_mtp:"): v for k, v in parse(r.read().decode()).items()}
 
 
 def session(url: str, system: str, tag: int, args, context: int, tokenizer, seed=None) -> list[dict]:
@@ -121,18 +160,26 @@ def concurrently(url: str, system: str, args, context: int, tokenizer) -> list[l
     return out
 
 
-def summary(name: str, cache: str, runs: list, reference: list, system_tokens: int) -> dict:
+def summary(name: str, cache: str, runs: list, reference: list, system_tokens: int, metrics: dict = None,
+            cold: list = None) -> dict:
+    """A scenario's figures on one server; `cold`: the first disk server's records, for a restarted one."""
     prefilled = sum(r["prefilled"] for run in runs for r in run)
     new = sum(run[-1]["prompt"] for run in runs)
-    same = None if reference is None else all([r["reply"] for r in a] == [r["reply"] for r in b]
-                                              for a, b in zip(runs, reference))
+    same = None if reference is None or reference is runs else all(
+        [r["reply"] for r in a] == [r["reply"] for r in b] for a, b in zip(runs, reference))
     firsts, lasts = [run[0]["ttft_ms"] for run in runs], [run[-1]["ttft_ms"] for run in runs]
+    metrics = metrics or {}
+    per_token = {k: metrics[f"prefix_cache_{k}bytes"] / new if f"prefix_cache_{k}bytes" in metrics else None
+                 for k in ("", "disk_")}
     return dict(scenario=name, cache=cache, sessions=len(runs), calls=median([len(run) for run in runs]),
                 last_prompt=median([run[-1]["prompt"] for run in runs]), prefilled=prefilled, new=new,
                 prefilled_over_new=prefilled / new, ttft_first_ms=median(firsts), ttft_last_ms=median(lasts),
                 ttft_last_over_first=median([b / a for a, b in zip(firsts, lasts)]),
                 prefill_ms_last=median([run[-1]["prefill_ms"] for run in runs]),
-                system_prefills=sum(run[0]["cached"] < system_tokens for run in runs), same_replies=same)
+                system_prefills=sum(run[0]["cached"] < system_tokens for run in runs), same_replies=same,
+                ttft_first_over_cold=median([a[0]["ttft_ms"] / b[0]["ttft_ms"] for a, b in zip(runs, cold)])
+                if cold is not None else None,
+                memory_bytes_per_token=per_token[""], disk_bytes_per_token=per_token["disk_"])
 
 
 def agent_md(res: dict) -> str:
@@ -143,13 +190,19 @@ def agent_md(res: dict) -> str:
            f"{res['context']}-token context. Prefilled / new: prompt tokens the server prefilled over a session "
            f"(`timings.prompt_n`) over the tokens new to it (its last prompt). TTFT: client-side, streamed, median "
            f"over sessions. System prompt prefilled by: sessions whose first call restored fewer than the system "
-           f"prompt's tokens from the cache. Same replies: every reply equals the cache-off server's.", ""]
+           f"prompt's tokens from the cache. Same replies: every reply equals the cache-off server's (or the first "
+           f"disk server's). Disk: the scenario on a server with `--prompt-cache-dir`, then on a new server on the "
+           f"directory (restarted); first TTFT / cold: the restarted server's first TTFT over the first server's. "
+           f"Bytes / token: what the prefix cache holds in memory and on disk at the end, over the tokens new to "
+           f"the sessions.", ""]
     header = ["scenario", "prefix cache", "sessions", "calls", "last prompt", "prefilled", "new",
-              "prefilled / new", "TTFT first ms", "TTFT last ms", "last / first", "system prompt prefilled by",
-              "same replies"]
+              "prefilled / new", "TTFT first ms", "TTFT last ms", "last / first", "first TTFT / cold",
+              "system prompt prefilled by", "memory bytes / token", "disk bytes / token", "same replies"]
     rows = [[r["scenario"], r["cache"], r["sessions"], fmt(r["calls"], ".0f"), fmt(r["last_prompt"], ".0f"),
              r["prefilled"], r["new"], fmt(r["prefilled_over_new"]), fmt(r["ttft_first_ms"], ".0f"),
-             fmt(r["ttft_last_ms"], ".0f"), fmt(r["ttft_last_over_first"]), r["system_prefills"],
+             fmt(r["ttft_last_ms"], ".0f"), fmt(r["ttft_last_over_first"]),
+             fmt(r.get("ttft_first_over_cold"), ".3f"), r["system_prefills"],
+             fmt(r.get("memory_bytes_per_token"), ".0f"), fmt(r.get("disk_bytes_per_token"), ".0f"),
              {True: "yes", False: "**no**", None: "-"}[r["same_replies"]]] for r in res["rows"]]
     return "\n".join(out + [table(header, rows), ""])
 
@@ -157,15 +210,15 @@ def agent_md(res: dict) -> str:
 # ---- servers, pairs and text ----------------------------------------------------------------------
 
 
-def serve(model: Path, drafter: Path, budget: str, env: dict | None, args, log):
+def serve(model: Path, drafter: Path, budget: str, env: dict | None, args, log, extra=()):
     port = free_port()
     command = [sys.executable, "-m", "mlx_mtp.server", "--model", str(model), "--drafter", str(drafter),
                "--served-model-name", args.pair, "--dtype", "float32", "--max-batch", str(max(args.sessions, 1)),
-               "--prompt-cache-bytes", budget, "--log-level", "warning"]
+               "--prompt-cache-bytes", budget, "--log-level", "warning", *extra]
     logfile = os.path.join(tempfile.gettempdir(), f"mlx_mtp_agent_{port}.log")
     proc = start_server(command, port, logfile, env=env)
     wait_healthy(proc, port, timeout=600)
-    log(f"server with --prompt-cache-bytes {budget} on port {port} (log: {logfile})")
+    log(f"server with --prompt-cache-bytes {budget} {' '.join(extra)} on port {port} (log: {logfile})")
     return f"http://127.0.0.1:{port}", proc
 
 

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize} [options]`
+structured,mixed,realsize,gpu} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -26,6 +26,7 @@ MODES = {
     "mixed": ("mixed", "run_mixed"),
     "structured": ("structured", "run_structured"),
     "realsize": ("realsize", "run_realsize"),
+    "gpu": ("gpu", "run_gpu"),
 }
 
 
@@ -179,7 +180,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--prompt-cache-gb", type=float, default=2.0, help="the prefix cache budget when on")
     a.add_argument("--scenarios", default="one,many,seeded", help="one session, --sessions concurrent ones, one "
                                                                   "seeded (comma list)")
-    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on and/or off")
+    a.add_argument("--caches", default="on,off", help="servers to run: prefix cache on, off, disk (on, with "
+                                                      "--prompt-cache-dir, then a new server on that directory)")
     a.set_defaults(repeats=1)
 
     x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "
@@ -227,6 +229,19 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="prompts")
     r.add_argument("--streams", type=int, help="CPU streams that quantized work is spread over (default: one per core)")
     r.set_defaults(repeats=3)
+
+    u = sub.add_parser("gpu", help="the GPU suite (issue 27): 31B, 26B-A4B and E4B at 4 bits built in memory, "
+                                   "prefill, decode vs roofline, MTP (oracle) vs plain, mlx-lm and mlx-vlm beside "
+                                   "ours; the demo pair")
+    common(u, "gpu")
+    u.add_argument("--smoke", action="store_true", help="the same code at the tiny fixture shapes (any device)")
+    u.add_argument("--shapes", help="comma list (default 31b,26b-a4b,e4b; with --smoke tiny-dense,tiny-moe,tiny-e2b)")
+    u.add_argument("--p", type=float, default=0.8, help="oracle: probability that a draft is right")
+    u.add_argument("--seed", type=int, default=0, help="prompts")
+    u.add_argument("--no-peers", action="store_true", help="skip mlx-lm and mlx-vlm")
+    u.add_argument("--no-demo", action="store_true", help="skip the demo pair")
+    u.add_argument("--results-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "gpu"),
+                   help="where a GPU run's JSON goes (<card>-<date>.json)")
     return ap
 
 
@@ -247,10 +262,11 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, flush=True)
     load_before = os.getloadavg()
     module, function = MODES[args.command]
+    args.command_line = shlex.join(["python", "-m", "apps.bench", *argv])
     res = getattr(importlib.import_module(f"apps.bench.{module}"), function)(args, log)
     res["loadavg"] = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]}
     res["regime"] = info["regime"]
-    res["command"] = shlex.join(["python", "-m", "apps.bench", *argv])
+    res["command"] = args.command_line
     from .report import write
 
     md = write([res], info, args.out)

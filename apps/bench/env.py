@@ -11,6 +11,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from mlx_mtp.memory import BACKENDS, Device
+
 from . import regime
 
 
@@ -41,33 +43,26 @@ def device_info() -> dict:
         "regime": regime.describe(),
     }
     info["mkl_preloaded"] = bool(info["regime"]["mkl"])  # stock with an MKL LD_PRELOAD is refused
-    try:
-        if mx.metal.is_available():
-            info["gpu"] = mx.metal.device_info().get("device_name", "metal")
-    except Exception:
-        pass
+    info["backend"] = Device.current().backend
+    if mx.default_device() == mx.gpu:
+        info["gpu"] = mx.device_info().get("device_name", info["backend"])
     return info
 
 
 def device_line(info: dict) -> str:
     blas = f"regime {info['regime']['label']}"
     gpu = f", GPU {info['gpu']}" if info.get("gpu") else ""
-    return (f"device {info['device']} ({info['cpu']}, {info['cpu_count']} cores{gpu}), {info['platform']}, "
-            f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}, {blas}")
+    return (f"device {info['device']} ({info['cpu']}, {info['cpu_count']} cores{gpu}), MLX "
+            f"{BACKENDS[info['backend']]} backend, {info['platform']}, mlx {info['mlx']}, "
+            f"mlx-lm {info['mlx_lm']}, {blas}")
 
 
 def reset_peak() -> None:
-    try:
-        mx.reset_peak_memory()
-    except AttributeError:  # older MLX
-        mx.metal.reset_peak_memory()
+    mx.reset_peak_memory()
 
 
 def peak_mb() -> float:
-    try:
-        return mx.get_peak_memory() / 2**20
-    except AttributeError:
-        return mx.metal.get_peak_memory() / 2**20
+    return mx.get_peak_memory() / 2**20
 
 
 def time_fn(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

@@ -9,6 +9,7 @@ mismatch is flagged.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -177,11 +178,10 @@ def mlxlm_spec(model, draft, prompt, n, k) -> Run:
 # ---- mlx-lm on the same weights ------------------------------------------------------------
 
 
-def mlxlm_form(src: Path, dst: Path) -> Path:
-    """A copy of `src` in mlx-lm's config form (global_head_dim, not transformers-5.23's
-    per_layer_config; a top-level vocab_size for the multimodal wrapper); weights linked."""
-    dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
+def mlxlm_config(config: dict) -> dict:
+    """`config` in mlx-lm's form (global_head_dim, not transformers-5.23's per_layer_config; a
+    top-level vocab_size for the multimodal wrapper)."""
+    config = copy.deepcopy(config)
     text = config.get("text_config", config)
     for over in (text.pop("per_layer_config", None) or {}).values():
         if "head_dim" in over:
@@ -190,7 +190,13 @@ def mlxlm_form(src: Path, dst: Path) -> Path:
             text["num_global_key_value_heads"] = over["num_key_value_heads"]
     if "text_config" in config and "vocab_size" not in config:
         config["vocab_size"] = text["vocab_size"]
-    (dst / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def mlxlm_form(src: Path, dst: Path) -> Path:
+    """A copy of `src` in mlx-lm's config form (`mlxlm_config`); weights linked."""
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(mlxlm_config(json.loads((src / "config.json").read_text()))))
     for f in src.iterdir():
         if f.name != "config.json" and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f.resolve())

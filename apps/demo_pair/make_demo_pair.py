@@ -8,7 +8,7 @@ Stages (each skipped with --resume when its output exists):
   2. target    a tiny Gemma 4 (`Gemma4ForCausalLM`, E2B-like) trained with transformers/torch,
                saved as a Hugging Face checkpoint                     (apps/demo_pair/train_target.py)
   3. convert   HF -> MLX with `python -m convert --dtype bfloat16`, plus the tokenizer files
-  4. drafter   `python -m mlx_mtp.train_drafter` against the frozen, converted target
+  4. drafter   `python -m apps.train_drafter` against the frozen, converted target
   5. eval      acceptance on held-out files                           (apps/demo_pair/eval_acceptance.py)
 
 MLX stages run in subprocesses with MKL preloaded when `pip install mkl` put libmkl_rt in the
@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     drafter = out / "drafter"
     if not (a.resume and (drafter / "model.safetensors").exists()):
-        cmd = [sys.executable, "-m", "mlx_mtp.train_drafter", "--target", str(target),
+        cmd = [sys.executable, "-m", "apps.train_drafter", "--target", str(target),
                "--data", str(work / "train.npy"), "--val-data", str(work / "val.npy"), "--out", str(drafter),
                "--hidden", "128", "--layers", "4", "--heads", "4", "--k", "3",
                "--steps", str(a.drafter_steps), "--seq", str(a.drafter_seq), "--batch", str(a.drafter_batch),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_mtp.hf_compat import patch_kv_sharing_modes
+from apps.hf_compat import patch_kv_sharing_modes
 
 S, F = "sliding_attention", "full_attention"
 

@@ -44,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="prefix cache budget in bytes: a request prefills only what no earlier one "
                             "computed (default: a quarter of the memory the weights leave; 0: off)")
     cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB")
+    ap.add_argument("--prompt-cache-dir", metavar="DIR", help="keep the prefix cache's states in DIR too: they "
+                    "outlive the server and its memory budget, and the next server on DIR starts from them")
+    ap.add_argument("--prompt-cache-disk-gb", type=float, metavar="GB",
+                    help="how much DIR may hold (default 16), least recently used states out first")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -54,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("the prompt cache budget must be >= 0 (0 turns it off)")
     if not args.keepalive_seconds > 0:
         ap.error("--keepalive-seconds must be > 0")
+    if args.prompt_cache_disk_gb is not None and (args.prompt_cache_disk_gb <= 0 or args.prompt_cache_dir is None):
+        ap.error("--prompt-cache-disk-gb takes a size > 0, with --prompt-cache-dir")
     return args
 
 
@@ -101,12 +107,16 @@ def serve(loaded, model_id: str, args) -> int:
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
         with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
-                    prompt_cache_bytes=args.prompt_cache_bytes) as engine:
+                    prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
+                    prompt_cache_disk_bytes=disk) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
             print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
+            where = args.prompt_cache_dir
+            on_disk = "" if where is None else f", prefix cache on disk in {where}"
             print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, context "
-                  f"{model.context} tokens)", file=sys.stderr, flush=True)
+                  f"{model.context} tokens{on_disk})", file=sys.stderr, flush=True)
             jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,

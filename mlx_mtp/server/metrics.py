@@ -21,6 +21,18 @@ METRICS = [
     ("prefix_cache_hits", "prefix_cache_hits_total", "counter", "Prompt tokens restored from the prefix cache."),
     ("prefix_cache_bytes", "prefix_cache_bytes", "gauge", "Bytes of K/V the prefix cache holds."),
     ("prefix_cache_states", "prefix_cache_states", "gauge", "States the prefix cache can restore."),
+    ("prefix_cache_disk_hits", "prefix_cache_disk_hits_total", "counter", "Requests that resumed from a state on disk."),
+    ("prefix_cache_disk_hit_tokens", "prefix_cache_disk_hit_tokens_total", "counter",
+     "Prompt tokens restored from states on disk."),
+    ("prefix_cache_disk_misses", "prefix_cache_disk_misses_total", "counter",
+     "Requests for which the disk held no state deeper than memory."),
+    ("prefix_cache_disk_writes", "prefix_cache_disk_writes_total", "counter", "States written to disk."),
+    ("prefix_cache_disk_evictions", "prefix_cache_disk_evictions_total", "counter",
+     "Files removed from the prefix cache's directory to stay within its budget."),
+    ("prefix_cache_disk_corrupt", "prefix_cache_disk_corrupt_total", "counter",
+     "Files found torn or corrupt on disk (and removed)."),
+    ("prefix_cache_disk_bytes", "prefix_cache_disk_bytes", "gauge", "Bytes in the prefix cache's directory."),
+    ("prefix_cache_disk_states", "prefix_cache_disk_states", "gauge", "States on disk the prefix cache can restore."),
     ("active_memory_bytes", "memory_active_bytes", "gauge", "Bytes of MLX arrays alive."),
     ("cache_memory_bytes", "memory_cache_bytes", "gauge", "Bytes MLX keeps in its buffer cache for reuse."),
     ("peak_memory_bytes", "memory_peak_bytes", "gauge", "Most bytes of MLX arrays alive at once."),
@@ -32,6 +44,8 @@ def render(values: dict) -> str:
     """Prometheus exposition text (format 0.0.4) for `Engine.metrics()`."""
     lines = []
     for key, name, kind, help_text in METRICS:
+        if key.startswith("prefix_cache_disk_") and key not in values:  # no disk tier
+            continue
         lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}",
                   f"{PREFIX}{name} {values.get(key, 0)}"]
     lines += [f"# HELP {PER_POS} Draft tokens accepted at each draft position.", f"# TYPE {PER_POS} counter"]

@@ -25,7 +25,7 @@ global_head_dim 32, sliding_window 8, softcap 30, tied embeddings, 6 layers [S,S
   31B; for text-only input that does not change the output (checked below).
 
 Config adjustments relative to the brief: none were needed; transformers accepts every config as
-specified (only with the kv_sharing_modes patch from mlx_mtp.hf_compat, which the assistant needs to be
+specified (only with the kv_sharing_modes patch from apps.hf_compat, which the assistant needs to be
 constructible at all). The MoE ``intermediate_size=96`` is the dense ("shared expert") MLP width.
 The drafters' text configs set ``final_logit_softcapping=None`` (as the official assistant
 configs do; the assistant forward never softcaps anyway). All configs use pad/eos/bos = 0/1/2.
@@ -99,7 +99,7 @@ from transformers import (
 )
 from transformers.generation import candidate_generator as _cg
 
-from mlx_mtp.hf_compat import patch_kv_sharing_modes
+from apps.hf_compat import patch_kv_sharing_modes
 
 SEED = 1234
 VARIANT_SEED_OFFSET = {"dense": 0, "moe": 1, "e2b": 2}
@@ -107,7 +107,7 @@ TRANSFORMERS_VERSION = "5.23.0"
 TORCH_VERSION = "2.13.0"
 
 # transformers 5.23.0's Gemma4TextConfig.kv_sharing_modes has two bugs that break every
-# Gemma4Assistant and unshared targets; mlx_mtp.hf_compat explains and fixes both.
+# Gemma4Assistant and unshared targets; apps.hf_compat explains and fixes both.
 patch_kv_sharing_modes()
 
 # ---------------------------------------------------------------------------------------------

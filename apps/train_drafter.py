@@ -1,6 +1,6 @@
 """Train (or adapt) a Gemma 4 MTP drafter against a frozen target, in MLX.
 
-    python -m mlx_mtp.train_drafter --target TARGET_DIR --data DATA [DATA ...] --out DRAFTER_DIR \\
+    python -m apps.train_drafter --target TARGET_DIR --data DATA [DATA ...] --out DRAFTER_DIR \\
         [--init DRAFTER_DIR | --hidden 128 --layers 4 --heads 4 --intermediate 512] \\
         [--steps 300] [--k 3] [--seq 256] [--batch 8] [--lr 2e-3] [--seed 0]
 
@@ -46,10 +46,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .cache import FULL, SLIDING
-from .loading import load_model, load_tokenizer
-from .models import gemma4_assistant
-from .models.base import SharedKV
+from mlx_mtp.cache import FULL, SLIDING
+from mlx_mtp.loading import load_model, load_tokenizer
+from mlx_mtp.models import gemma4_assistant
+from mlx_mtp.models.base import SharedKV
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".rs", ".go")
 
@@ -320,7 +320,7 @@ def evaluate(target, drafter, stream: np.ndarray, *, k: int = 3, seq: int = 256,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m mlx_mtp.train_drafter", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m apps.train_drafter", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model directory (frozen)")
     p.add_argument("--data", required=True, nargs="+", help=".npy token ids, text files or directories")
     p.add_argument("--val-data", nargs="+", help="held-out data: report teacher-forced agreement at the end")

@@ -1,0 +1,79 @@
+"""`python -m apps.bench gpu --smoke`: the GPU suite's code at the tiny fixture shapes, as a user
+runs it (a fresh process), on this machine's CPU; and the pieces its figures rest on."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from apps.bench import gpu, inmemory
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny"
+
+
+def test_the_gpu_suite_runs_at_tiny_shapes_in_a_fresh_process(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "apps.bench", "gpu", "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())["results"][0]
+    assert res["smoke"] and res["mismatches"] == [] and "saved" not in res  # no GPU JSON from a smoke run
+    assert res["bandwidth"]["bytes_per_s"] > 0 and res["card"] and res["backend"] == "CPU"
+    assert sorted(res["shapes"]) == ["tiny-dense", "tiny-e2b", "tiny-moe"]
+    for name, shape in res["shapes"].items():
+        assert [int(n) for n in shape["prefill"]] == list(gpu.SMOKE.prefill)
+        assert shape["first_token_after_load_s"] > 0
+        batches = gpu.MOE_BATCHES if shape["moe"] else gpu.BATCHES
+        assert sorted(int(B) for B in shape["decode"]) == sorted(batches)
+        for B, d in shape["decode"].items():
+            assert d["tok_s"] > 0 and 0 < d["roofline"] and d["bytes_per_step"] > 0, (name, B)
+        assert sorted(shape["mtp"]) == sorted(f"K={k},B={B}" for k, B in gpu.ORACLE_RUNS)
+        for key, run in shape["mtp"].items():
+            assert run["equals_plain"] and run["round_in_plain_steps"] > 0 and run["speedup"] > 0, (name, key)
+        assert shape["peers"]["ours_mtp"]["1"] > 0 and shape["peers"]["ours_mtp"]["4"] > 0
+    moe = res["shapes"]["tiny-moe"]["decode"]
+    assert moe["1"]["union_mean"] == 2.0  # top-2 routing: one row reads exactly two experts per layer
+    assert 2.0 <= moe["4"]["union_mean"] <= moe["16"]["union_mean"] <= 4.0  # 4 experts in all
+    dense = res["shapes"]["tiny-dense"]["peers"]
+    assert dense["mlx_lm_plain"]["1"] > 0 and dense["mlx_lm_plain"]["4"] > 0, dense
+    assert dense["equals_ours_plain"]["mlx-lm B=1"] in (True, False)
+    if importlib.util.find_spec("mlx_vlm"):
+        assert dense["mlx_vlm_mtp"]["1"] > 0 and dense["mtp_over_mlx_vlm"]["4"] > 0, dense
+    else:
+        assert "mlx_vlm" in dense["mlx_vlm_error"]  # said, not skipped
+    assert all(r["equals_plain"] for r in res["demo"].values())
+    md = (tmp_path / "results.md").read_text()
+    assert "| figure | tiny-dense | tiny-moe | tiny-e2b |" in md and "MTP oracle K=auto,B=8 / plain" in md
+
+
+def test_random_weights_are_drawn_in_their_stored_form_at_the_planned_spread():
+    """Each quantized tensor is drawn as codes, scales and biases (no float copy is made), giving
+    weights of standard deviation 1 / sqrt(fan-in) centred on zero, as the converter lays them out."""
+    config = json.loads((TINY / "dense" / "target" / "config.json").read_text())
+    out_config, weights = inmemory.random_checkpoint(config, 4, seed=0)
+    assert out_config["quantization"]["bits"] == 4 and out_config["quantization"]["group_size"] == 64
+    up = "model.layers.0.mlp.up_proj"
+    w = mx.dequantize(weights[f"{up}.weight"], weights[f"{up}.scales"], weights[f"{up}.biases"],
+                      group_size=64, bits=4).astype(mx.float32)
+    fan_in = w.shape[-1]
+    assert abs(float(w.std()) * math.sqrt(fan_in) - 1) < 0.1
+    assert abs(float(w.mean())) < 0.1 / math.sqrt(fan_in)
+    again = inmemory.random_checkpoint(config, 4, seed=0)[1]
+    assert all(mx.array_equal(weights[k], again[k]) for k in weights)  # seed-deterministic
+
+
+def test_a_decode_step_reads_only_the_experts_its_rows_route_to():
+    config = json.loads((TINY / "moe" / "target" / "config.json").read_text())
+    target = inmemory.build(config, 4, seed=0)[0]
+    layers, experts = target.config.num_hidden_layers, target.config.num_experts
+    every = gpu.step_bytes(target, 1, 0, [experts] * layers)
+    two = gpu.step_bytes(target, 1, 0, [2] * layers)
+    expert_tensors = [a.nbytes for name, a in tree_flatten(target.parameters()) if ".experts." in name]
+    read = sum(expert_tensors) * (experts - 2) / experts
+    assert abs((every - two) - read) <= len(expert_tensors)  # rounding per tensor
+    assert gpu.step_bytes(target, 2, 10, [2] * layers) > two  # two rows' K/V over 10 positions
