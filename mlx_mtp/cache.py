@@ -10,7 +10,8 @@ marking positions empty, which the speculative round does on the device (`rollba
 the host ever reading how many drafts were accepted; a host-side `trim`/`rollback` checks that
 the positions it needs are still retained and either succeeds exactly or raises `CacheError`. A
 one-row cache can be read out by position and rebuilt at a length from such reads (`read`,
-`resume`), which is how the prefix cache stores and restores states.
+`resume`), which is how the prefix cache stores and restores states. A ragged forward runs the
+next tokens of several one-row caches side by side, each through its own cache's step (`Ragged`).
 
 The host keeps an upper bound of each row's length (`bound`); it is exact until a device-side
 rollback, and `sync()` makes it exact again.
@@ -109,6 +110,40 @@ class Step(NamedTuple):
                 return keys, values
             return mx.concatenate([old_k, keys], axis=2), mx.concatenate([old_v, values], axis=2)
         return write.visible(self.keys[layer]), write.visible(self.values[layer])
+
+
+class Ragged(NamedTuple):
+    """One forward over the next tokens of several one-row caches, laid side by side on one token
+    axis (rows of different lengths: ragged). Each row attends through the `Step` its cache
+    made, exactly as a forward of its own would; `wanted`: rows whose last position's output is
+    wanted (the others only fill their caches)."""
+
+    steps: tuple  # each row's Step
+    sizes: tuple  # each row's tokens
+    wanted: tuple  # bool per row
+
+    @classmethod
+    def begin(cls, caches: Sequence["KVCache"], sizes: Sequence[int], wanted: Sequence[bool]) -> "Ragged":
+        """Reserve `sizes[i]` slots in `caches[i]` (one-row caches), as each forward alone would."""
+        if any(c.batch_size != 1 for c in caches):
+            raise CacheError("a ragged forward takes one-row caches")
+        steps = tuple(c.begin(n) for c, n in zip(caches, sizes))
+        return cls(steps, tuple(sizes), tuple(bool(w) for w in wanted))
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(start, stop) of each row on the token axis."""
+        ends = np.cumsum(self.sizes).tolist()
+        return [(e - n, e) for e, n in zip(ends, self.sizes)]
+
+    def last_tokens(self) -> list[int]:
+        """Where each wanted row's last token sits on the token axis."""
+        return [stop - 1 for (_, stop), w in zip(self.bounds, self.wanted) if w]
+
+    def last(self) -> "Ragged":
+        """The same forward restricted to the wanted rows' last positions (see `Step.last`)."""
+        keep = [i for i, w in enumerate(self.wanted) if w]
+        return Ragged(tuple(self.steps[i].last(1) for i in keep), (1,) * len(keep), (True,) * len(keep))
 
 
 @dataclasses.dataclass

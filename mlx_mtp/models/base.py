@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,6 +96,12 @@ class TargetModel(Protocol):
         """Forward after what `cache` holds; `keep`: outputs wanted only for the last `keep` positions."""
         ...
 
+    def ragged(self, chunks: Sequence[mx.array], caches: Sequence[KVCache],
+               wanted: Sequence[bool]) -> TargetOutput:
+        """Forward each one-row cache's next tokens `chunks[i]` (1, L_i) in one forward, each row
+        exactly as its own forward; logits and hidden (R, 1, ...) of the wanted rows' last positions."""
+        ...
+
     def make_cache(self, batch_size: int = 1, max_rollback: int = 0) -> KVCache: ...
 
     def shared_kv(self, cache: KVCache) -> dict[str, SharedKV]:
@@ -107,6 +113,17 @@ class TargetModel(Protocol):
     def embed(self, tokens: mx.array) -> mx.array:
         """Scaled input embedding, (B, L) -> (B, L, H): the drafter's token input."""
         ...
+
+
+def one_by_one(target: TargetModel, chunks: Sequence[mx.array], caches: Sequence[KVCache],
+               wanted: Sequence[bool]) -> TargetOutput:
+    """`TargetModel.ragged`'s result from one forward per row (where rows may not share one)."""
+    outs = [target(c, cache, keep=1 if w else 0) for c, cache, w in zip(chunks, caches, wanted)]
+    kept = [out for out, w in zip(outs, wanted) if w]
+    if not kept:
+        return TargetOutput(None, None, {})
+    logits = None if kept[0].logits is None else mx.concatenate([out.logits[:, -1:] for out in kept])
+    return TargetOutput(logits, mx.concatenate([out.hidden[:, -1:] for out in kept]), {})
 
 
 class Drafter(Protocol):
@@ -140,6 +157,16 @@ def fused_kernels() -> bool:
     if _forced_fused is not None:
         return _forced_fused
     return mx.default_device() == mx.gpu
+
+
+def rows_apart() -> bool:
+    """Whether every product computes each row of its input as if alone, whatever the other rows,
+    so that the prompts of several sequences may share a forward exactly (`Model.ragged`): on MLX's
+    CPU backend, whose quantized kernel works row by row and whose BLAS (the reference BLAS of its
+    Linux build) sums each row in one fixed order; the one choice that follows the number of rows,
+    sharing a dequantised weight, is made per sequence (`quantized.py`). A GPU's kernels are
+    chosen by the number of rows (a vector kernel for a few, tiles for more): not relied on."""
+    return mx.default_device() == mx.cpu
 
 
 @contextlib.contextmanager

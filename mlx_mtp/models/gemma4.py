@@ -11,16 +11,17 @@ import dataclasses
 import math
 import re
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..cache import FULL, SLIDING, KVCache, Step
-from .base import BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, rms_norm
-from .quantized import forward_tokens, switch_glu
+from ..cache import FULL, SLIDING, KVCache, Ragged, Step
+from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
+                   rows_apart)
+from .quantized import Embedding, Linear, forward_tokens, switch_glu
 
 
 @dataclasses.dataclass
@@ -235,31 +236,57 @@ class Attention(nn.Module):
         self.k_eq_v = cfg.attention_k_eq_v and self.layer_type == FULL
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * hd, bias=bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         if i < cfg.first_shared_layer:
-            self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+            self.k_proj = Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             if not self.k_eq_v:
-                self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+                self.v_proj = Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
         self.rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
-    def __call__(self, x: mx.array, step: Step, shared_kv=None):
+    def __call__(self, x: mx.array, step: Union[Step, Ragged], shared_kv=None):
         """x: (B * L, H), the rows' tokens in order. Returns (output, kv): kv is the (keys, values)
         attended over, which a KV-shared layer passes in as `shared_kv` instead of computing (and
-        storing) its own."""
+        storing) its own. A ragged step's rows attend one by one, each through its own step (kv:
+        one per row)."""
+        if isinstance(step, Ragged):
+            return self._ragged(x, step, shared_kv)
         B, L = step.positions.shape
+        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv)
+        return self.o_proj(out.reshape(B * L, self.n_heads * self.head_dim)), kv
+
+    def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
+        """Normalised q (and k, v unless the K/V are shared), (B, L, heads, head_dim), not rotated."""
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
+        if not own_kv:
+            return q, None, None
+        k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
+        return q, self.k_norm(k), rms_norm(v, None, self.eps)
+
+    def _attend(self, q: mx.array, k: Optional[mx.array], v: Optional[mx.array], step: Step,
+                shared_kv) -> tuple:
+        """Rotate, store the K/V in the cache and attend: (B, L, heads, head_dim) and the kv."""
         q = self.rope(q.transpose(0, 2, 1, 3), step)
         if shared_kv is None:
-            k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-            v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), step)
-            v = rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
-            shared_kv = step.store(self.index, k, v)
-        out = attention(q, *shared_kv, step.masks[self.layer_type])
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B * L, self.n_heads * self.head_dim)), shared_kv
+            k = self.rope(k.transpose(0, 2, 1, 3), step)
+            shared_kv = step.store(self.index, k, v.transpose(0, 2, 1, 3))
+        return attention(q, *shared_kv, step.masks[self.layer_type]).transpose(0, 2, 1, 3), shared_kv
+
+    def _ragged(self, x: mx.array, ragged: Ragged, shared: Optional[list]) -> tuple:
+        """Projections over every row's tokens at once; attention row by row (its own cache's slots,
+        masks and RoPE offsets, the shapes of its own forward)."""
+        q, k, v = self._project(x, 1, x.shape[0], shared is None)
+        outs, kvs = [], []
+        for i, (step, (a, b)) in enumerate(zip(ragged.steps, ragged.bounds)):
+            mine = [None if t is None else t[:, a:b] for t in (q, k, v)]
+            out, kv = self._attend(*mine, step, None if shared is None else shared[i])
+            outs.append(out)
+            kvs.append(kv)
+        out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim)), kvs
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:
@@ -282,9 +309,9 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
         return self.down_proj(gelu_tanh_glu(self.gate_proj(x), self.up_proj(x)))
@@ -298,7 +325,7 @@ ROUTER_RECORD: Optional[list] = None
 class Router(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
         self.per_expert_scale = mx.ones((cfg.num_experts,))
         self.top_k = cfg.top_k_experts
@@ -352,8 +379,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
         if cfg.hidden_size_per_layer_input:
             P = cfg.hidden_size_per_layer_input
-            self.per_layer_input_gate = nn.Linear(H, P, bias=False)
-            self.per_layer_projection = nn.Linear(P, H, bias=False)
+            self.per_layer_input_gate = Linear(H, P, bias=False)
+            self.per_layer_projection = Linear(P, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
     def __call__(self, x, step: Step, shared_kv=None, per_layer_input=None):
@@ -383,15 +410,15 @@ class TextModel(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sources = {cfg.kv_source(i) for i in range(cfg.first_shared_layer, cfg.num_hidden_layers)}
         self.pipeline = None  # this process's pipeline stage (mlx_mtp.pipeline.Stage); None: all layers here
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * P)
-            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * P, bias=False)
+            self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input, n * P)
+            self.per_layer_model_projection = Linear(cfg.hidden_size, n * P, bias=False)
             self.per_layer_projection_norm = RMSNorm(P, cfg.rms_norm_eps)
 
     def embed(self, ids: mx.array) -> mx.array:
@@ -411,11 +438,13 @@ class TextModel(nn.Module):
         """The layers this process computes: all of them, or its pipeline stage's."""
         return (0, self.cfg.num_hidden_layers) if self.pipeline is None else self.pipeline.span
 
-    def __call__(self, ids: mx.array, step: Step, keep: Optional[int] = None) -> Optional[mx.array]:
+    def __call__(self, ids: mx.array, step: Union[Step, Ragged],
+                 keep: Optional[int] = None) -> Optional[mx.array]:
         """Hidden states of ids (B, L) as (B * L, H) rows, or of only the last `keep` positions of
         each row (None for keep=0). Tokens stay rows of a 2D array from layer to layer (a Linear
         of a 3D array flattens and unflattens it: two more graph nodes). A pipeline stage before
-        the last hands its output to the next rank and returns None."""
+        the last hands its output to the next rank and returns None. A ragged step (B = 1: several
+        sequences side by side) keeps the last position of each wanted sequence instead."""
         cfg = self.cfg
         B, L = ids.shape
         H = cfg.hidden_size
@@ -423,28 +452,47 @@ class TextModel(nn.Module):
         flat = ids.reshape(B * L)
         x = self.embed(flat) if first == 0 else self.pipeline.receive((B, L, H)).reshape(B * L, H)
         ple = self.per_layer_inputs(flat, x) if cfg.hidden_size_per_layer_input else None
-        kvs: dict[int, tuple[mx.array, mx.array]] = {}
-        for i in range(first, end):
-            layer, src = self.layers[i], cfg.kv_source(i)
-            if i == cfg.first_shared_layer and keep is not None and keep < L:
-                # KV-shared layers store nothing: run them only where their output is used.
-                if keep == 0:
-                    return None
-                x, step = _last(x, B, keep), step.last(keep)
-                ple = _last(ple, B, keep) if ple is not None else None
-                L = keep
-            pli = ple[:, i] if ple is not None else None
-            x, kv = layer(x, step, kvs.get(src), pli)
+        shared = max(first, min(end, cfg.first_shared_layer))
+        x, kvs = self._layers(range(first, shared), x, step, ple, {})
+        if shared < end:  # KV-shared layers store nothing: run them only where their output is used
+            narrowed = _narrow(step, B, keep, x, ple, kvs)
+            if narrowed is None:
+                return None
+            step, x, ple, kvs = narrowed
+            x, _ = self._layers(range(shared, end), x, step, ple, kvs)
+        if end < cfg.num_hidden_layers:
+            self.pipeline.send(x.reshape(B, -1, H))
+            return None
+        narrowed = _narrow(step, B, keep, x)
+        return None if narrowed is None else self.norm(narrowed[1])
+
+    def _layers(self, layers: range, x: mx.array, step, ple: Optional[mx.array], kvs: dict) -> tuple:
+        """Run `layers` on x; `kvs`: the K/V of the layers KV-shared layers read, kept as they run."""
+        for i in layers:
+            src = self.cfg.kv_source(i)
+            x, kv = self.layers[i](x, step, kvs.get(src), ple[:, i] if ple is not None else None)
             if src == i and i in self.sources:
                 kvs[i] = kv
-        if end < cfg.num_hidden_layers:
-            self.pipeline.send(x.reshape(B, L, H))
+        return x, kvs
+
+
+def _narrow(step, rows: int, keep: Optional[int], x: mx.array, ple: Optional[mx.array] = None,
+            kvs: Optional[dict] = None) -> Optional[tuple]:
+    """The forward from here on over only the positions whose output is wanted: (step, x, ple, kvs)
+    cut to them (x and ple: (rows * L, ...)), or None when none is (keep=0, or no wanted row)."""
+    if isinstance(step, Ragged):
+        if not any(step.wanted):
             return None
-        if keep is not None:
-            if keep == 0:
-                return None
-            x = _last(x, B, keep)
-        return self.norm(x)
+        if all(step.wanted) and all(n == 1 for n in step.sizes):
+            return step, x, ple, kvs
+        index = mx.array(step.last_tokens())
+        kvs = kvs and {i: [kv for kv, w in zip(per_row, step.wanted) if w] for i, per_row in kvs.items()}
+        return step.last(), x[index], None if ple is None else ple[index], kvs
+    if keep == 0:
+        return None
+    if keep is None or keep == step.positions.shape[1]:
+        return step, x, ple, kvs
+    return step.last(keep), _last(x, rows, keep), None if ple is None else _last(ple, rows, keep), kvs
 
 
 def _last(x: mx.array, rows: int, n: int) -> mx.array:
@@ -462,7 +510,7 @@ class Model(nn.Module):
         self.config = cfg
         self.model = TextModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def vocab_size(self) -> int:
@@ -487,6 +535,26 @@ class Model(nn.Module):
         if self.model.span[1] < self.config.num_hidden_layers:
             return self._elsewhere(tokens.shape, keep)
         return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def ragged(self, chunks: Sequence[mx.array], caches: Sequence[KVCache],
+               wanted: Sequence[bool]) -> TargetOutput:
+        """Forward each one-row cache's next tokens `chunks[i]` (1, L_i) in one forward, the rows side
+        by side (`cache.Ragged`), each row's K/V and output exactly its own forward's: attention row
+        by row, every other op row-wise, products over all rows where each row is computed as if
+        alone (`base.rows_apart`; elsewhere each row runs a forward of its own). Returns the logits
+        and hidden states (R, 1, ...) of the last position of each of the R wanted rows, in order."""
+        if len(chunks) == 1 or not rows_apart():
+            return one_by_one(self, chunks, caches, wanted)
+        sizes = [c.shape[1] for c in chunks]
+        step = Ragged.begin(caches, sizes, wanted)
+        with forward_tokens(1, sizes):
+            hidden = self.model(mx.concatenate(chunks, axis=1), step)
+            logits = None if hidden is None else self.logits(hidden)
+        if self.model.span[1] < self.config.num_hidden_layers:
+            return self._elsewhere((sum(step.wanted), 1), 1 if any(step.wanted) else 0)
+        if hidden is None:
+            return TargetOutput(None, None, {})
+        return TargetOutput(logits[:, None], hidden[:, None], {})
 
     def _forward(self, tokens: mx.array, step: Step, keep: Optional[int]) -> tuple:
         """(logits, hidden, K buffers, V buffers) of one forward."""

@@ -21,6 +21,12 @@ whose rows shared a weight would differ in the last bits from the decode steps i
 and bf16 activations and near-tied logits turn that into different tokens (greedy MTP != plain
 at B=4 on 26B-A4B). The per-row kernel computes each row alone, however many share it.
 
+A ragged forward (the prompts of several sequences side by side, `cache.Ragged`) makes each of
+these choices per sequence, as that sequence's forward alone would: the per-row kernel takes every
+sequence's rows in one product; where a sequence would share a weight, and in every unquantized
+product (`Linear`, `Embedding`: a BLAS such as MKL rounds by the number of rows), its rows are
+multiplied apart from the others' (`ragged_sizes`).
+
 Both branches give the same results to fp32 rounding; `force_fused` and `dequantizing_from`
 force each choice so tests run all of them on one machine.
 """
@@ -32,7 +38,7 @@ import threading
 import time
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,13 +65,40 @@ _made: list = []
 
 
 @contextmanager
-def forward_tokens(n: int) -> Iterator[None]:
-    """A target forward of `n` tokens per row runs inside: its layers see the rows flattened."""
-    before, _forward.tokens = getattr(_forward, "tokens", 1), n
+def forward_tokens(n: int, sizes: Optional[Sequence[int]] = None) -> Iterator[None]:
+    """A target forward of `n` tokens per row runs inside: its layers see the rows flattened. A
+    ragged forward (`sizes`: the tokens of each of its sequences, side by side) computes each
+    sequence's products as that sequence's forward alone would (`ragged_sizes`)."""
+    before = getattr(_forward, "tokens", 1), getattr(_forward, "sizes", None)
+    _forward.tokens, _forward.sizes = n, None if sizes is None else tuple(sizes)
     try:
         yield
     finally:
-        _forward.tokens = before
+        _forward.tokens, _forward.sizes = before
+
+
+def ragged_sizes(rows: int) -> Optional[tuple]:
+    """Each sequence's rows among `rows` rows of the running ragged forward (None: not ragged).
+    Its products see all its tokens, or, past the point where only the wanted sequences' last
+    positions go on (`cache.Ragged.last`), one token per sequence: the count tells which."""
+    sizes = getattr(_forward, "sizes", None)
+    if sizes is None:
+        return None
+    return sizes if rows == sum(sizes) else (1,) * rows
+
+
+def _alone(sizes: Sequence[int]) -> bool:
+    """Whether no sequence of a ragged forward would share a weight among its rows alone: then
+    one product on the per-row kernel serves them all, each row exactly as alone."""
+    return not any(_shares_weight(n, n) for n in sizes)
+
+
+def _by_sequence(fn, sizes: Sequence[int], *arrays: mx.array) -> mx.array:
+    """`fn(*parts, n)` for each sequence's rows of `arrays` (n of them), concatenated: a product
+    whose rounding depends on its number of rows (the BLAS after dequantising) sees each
+    sequence's rows as its forward alone would."""
+    ends = np.cumsum(sizes).tolist()
+    return mx.concatenate([fn(*(a[e - n : e] for a in arrays), n) for e, n in zip(ends, sizes)])
 
 
 def _streams_for(weights: int) -> list:
@@ -149,12 +182,20 @@ def _tokens_per_row(x: mx.array) -> int:
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
                      bits: int, mode: str, tokens_per_row: Optional[int] = None, split: bool = True) -> mx.array:
     """x @ W.T for a quantized W on the CPU backend, in fp32 (returns fp32). x is (..., L, D), L
-    tokens per row, or (N, D) rows of the running `forward_tokens`; `tokens_per_row` overrides L.
+    tokens per row, or (N, D) rows of the running `forward_tokens` (of each sequence, in a ragged
+    one); `tokens_per_row` overrides L.
     `split`: spread the output features over this thread's CPU streams (callers that spread
     whole products themselves, such as the experts, say no)."""
     x = x.astype(mx.float32)
+    sizes = ragged_sizes(x.shape[0]) if tokens_per_row is None and x.ndim == 2 else None
+    if sizes is not None and not _alone(sizes):
+        def each(part: mx.array, n: int) -> mx.array:
+            return quantized_matmul(part, w, scales, biases, group_size, bits, mode, n, split)
+
+        return _by_sequence(each, sizes, x)
     streams = _streams_for(w.shape[0] * x.shape[-1] if split else 0)
-    if not _shares_weight(x.size // x.shape[-1], tokens_per_row or _tokens_per_row(x)):
+    rows = x.size // x.shape[-1]
+    if sizes is not None or not _shares_weight(rows, tokens_per_row or _tokens_per_row(x)):
         step = -(-w.shape[0] // len(streams))
 
         def product(part: slice) -> mx.array:
@@ -200,6 +241,27 @@ def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
                             layer.group_size, layer.bits, layer.mode, tokens_per_row, split=expert is None)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product, in a ragged forward, takes each sequence's rows apart: a BLAS may
+    round a row differently with the number of rows in the product (MKL does, at any size)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        sizes = ragged_sizes(x.shape[0]) if x.ndim == 2 else None
+        if sizes is None or len(sizes) == 1:
+            return super().__call__(x)
+        return _by_sequence(lambda part, n: nn.Linear.__call__(self, part), sizes, x)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose `as_linear` (a tied head) takes each sequence's rows apart, as `Linear`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        sizes = ragged_sizes(x.shape[0]) if x.ndim == 2 else None
+        if sizes is None or len(sizes) == 1:
+            return super().as_linear(x)
+        return _by_sequence(lambda part, n: nn.Embedding.as_linear(self, part), sizes, x)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if fused_kernels():
@@ -238,15 +300,24 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
         if floating:  # float32 where loading widened it for the backend
             return glu(x.astype(w.dtype), idx).astype(x.dtype)
         return glu(x, idx)
-    return grouped_glu(glu, x, idx, w.dtype if floating else mx.float32).astype(x.dtype)
+    dtype = w.dtype if floating else mx.float32
+    sizes = ragged_sizes(idx.size // idx.shape[-1])
+    if sizes is None:
+        return grouped_glu(glu, x, idx, dtype).astype(x.dtype)
+    if not floating and _alone(sizes):  # every row on the per-row kernel (tokens=1: no rows share a weight)
+        return grouped_glu(glu, x, idx, dtype, tokens=1).astype(x.dtype)
+    y = _by_sequence(lambda rows, ids, n: grouped_glu(glu, rows, ids, dtype, tokens=n), sizes,
+                     x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]))
+    return y.reshape(*idx.shape, -1).astype(x.dtype)
 
 
-def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype) -> mx.array:
+def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
+                tokens: Optional[int] = None) -> mx.array:
     """The CPU path of `switch_glu`: rows grouped by expert, one product per used expert and
     projection, so the cost follows the rows (gather_qmm's grows with their square); the experts
     dealt out to this thread's CPU streams. Reads the router's choice on the host: the forward
-    waits for it here."""
-    k, tokens = idx.shape[-1], _tokens_per_row(idx)
+    waits for it here. `tokens`: per row of the forward (default: the running forward's)."""
+    k, tokens = idx.shape[-1], tokens or _tokens_per_row(idx)
     flat = np.array(idx).reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     experts, starts = np.unique(flat[order], return_index=True)
