@@ -1,8 +1,9 @@
 """The one generation driver: continuous batching of speculative rounds.
 
 Rows join and leave between rounds. A row is inserted with its prompt; its prompt is prefilled
-in chunks, one chunk per `step()`, between the batch's rounds, so streaming rows stall for at
-most one chunk; then it joins the batch. With a prefix cache, a prompt starts from the deepest
+in chunks between the batch's rounds, the chunks of several queued prompts in one forward of at
+most `prefill_tokens` tokens per `step()`, so streaming rows stall for about one chunk
+(`prefill.py`); then it joins the batch. With a prefix cache, a prompt starts from the deepest
 state an earlier row left that it shares, and rows leave states behind where later prompts may
 part ways with theirs (`PrefixCache`). Each row owns its request: sampling parameters, seed,
 stop tokens, token budget, MTP on/off and draft length; its output equals what it would get alone.
@@ -29,11 +30,13 @@ from .cache import KVCache
 from .drafters import as_proposer
 from .lockstep import ALONE, Lockstep
 from .models.base import TargetModel
+from .prefill import Prefill, first_events, join, widen
 from .prefix_cache import PrefixCache
 from .processors import MAX_LOGPROBS, NONE, Penalties, Processors, RowProcessing, row_logprobs
-from .sample import RESAMPLE, SamplingParams, probs, sample, uniform
-from .speculative import (K_MAX, MAX_ROLLBACK, Acceptance, BatchState, Member, Plan, RoundOutput, check_draft_tokens,
-                          policy_for, run_round)
+from .row import Row, RowEvent
+from .sample import SamplingParams
+from .speculative import (K_MAX, BatchState, Member, Plan, RoundOutput, check_draft_tokens, policy_for,
+                          run_round)
 from .stats import Stats
 from .threads import mark_mlx_thread
 
@@ -58,49 +61,6 @@ def check_fits(prompt_tokens: int, context: int, max_tokens: Optional[int] = Non
     if max_tokens is not None and prompt_tokens + max_tokens > context:
         raise ContextLengthError(f"prompt of {prompt_tokens} tokens and max_tokens {max_tokens} exceed the model's "
                                  f"context of {context} tokens", prompt_tokens, context, max_tokens)
-
-
-@dataclasses.dataclass
-class RowEvent:
-    """New tokens of one row from one `step()`; `finish_reason` is set on the row's last event."""
-
-    uid: int
-    tokens: list
-    from_draft: list
-    finish_reason: Optional[str] = None  # "stop", "length", "cancelled", or "dead_end" (the grammar allows nothing)
-    stats: Optional[Stats] = None
-    logprobs: Optional[list] = None  # per token (logprob, ((token, logprob), ...)) when the row asked
-
-
-@dataclasses.dataclass(eq=False)
-class _Row:
-    uid: int
-    prompt: list
-    max_tokens: int
-    params: SamplingParams
-    seed: int
-    seeded: bool
-    stop_ids: frozenset
-    draft: Union[int, str, None]  # None: MTP off for this row
-    marks: frozenset  # prompt lengths at which the row leaves a state in the prefix cache
-    owner: Optional[Hashable]  # pins the row's states (see `insert`)
-    cache: Optional[KVCache] = None  # while the prompt is prefilled
-    start: int = 0  # prompt tokens restored from the prefix cache
-    fed: int = 0  # prompt tokens in the cache
-    tokens: list = dataclasses.field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stats: Stats = dataclasses.field(default_factory=Stats)
-    first: Optional[mx.array] = None
-    began: float = 0.0
-    pinned: list = dataclasses.field(default_factory=list)  # states the row left for its owner
-    processing: RowProcessing = RowProcessing()
-    first_logprobs: Optional[tuple] = None
-    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
-
-    @property
-    def length(self) -> int:
-        """Tokens the row's cache holds: prompt and emitted tokens but the last one."""
-        return self.fed + max(len(self.tokens) - 1, 0)
 
 
 @dataclasses.dataclass
@@ -129,12 +89,15 @@ class BatchGenerator:
         target: the target model.
         drafter: an MTP drafter, a proposer (e.g. `NgramDrafter`), or None for plain decoding.
         draft_tokens: the batch's draft-length policy: "auto" or a fixed K.
-        prefill_chunk: prompt tokens processed per `step()`.
+        prefill_chunk: the grid prompts are cut on: a prompt chunk ends at a multiple of it.
         prefix_cache: where prompts resume from, and rows leave their states (None: nowhere).
+        prefill_tokens: prompt tokens a `step()` prefills over all queued rows, in one forward
+            (default: prefill_chunk); 1 prefills one row at a time.
     """
 
     def __init__(self, target: TargetModel, drafter=None, draft_tokens: Union[int, str] = "auto",
-                 prefill_chunk: int = 512, prefix_cache: Optional[PrefixCache] = None):
+                 prefill_chunk: int = 512, prefix_cache: Optional[PrefixCache] = None,
+                 prefill_tokens: Optional[int] = None):
         self.target = target
         self.proposer = as_proposer(drafter, target)
         self.policy = policy_for(drafter, draft_tokens)
@@ -143,22 +106,24 @@ class BatchGenerator:
         self.prefix = prefix_cache
         self.limit = target.config.max_position_embeddings
         self.stats = Stats()  # every row together
-        self.pending: collections.deque[_Row] = collections.deque()
-        self.rows: list[_Row] = []  # in the batch, in cache order
+        self.pending: collections.deque[Row] = collections.deque()
+        self.rows: list[Row] = []  # in the batch, in cache order
         self.cache: Optional[KVCache] = None
         self.state: Optional[BatchState] = None
         self._inflight: Optional[_Inflight] = None
-        self._joined: list[_Row] = []  # first token not read yet
-        self._cancelled: list[_Row] = []
+        self._cancelled: list[Row] = []
         self._uids = 0
         self._last_read: Optional[float] = None
         self.lockstep: Lockstep = getattr(target, "pipeline", None) or ALONE  # ranks of a pipeline group
+        self.prefill_tokens = prefill_tokens or prefill_chunk
+        self.prefill = Prefill(target, prefill_chunk, self.prefill_tokens, prefix_cache, self.lockstep.share,
+                               self.stats)
         self.lockstep.made(self)
 
     @property
     def busy(self) -> bool:
         """True while any row still has work (or a cancel to report)."""
-        return bool(self.pending or self.rows or self._joined or self._cancelled)
+        return bool(self.pending or self.rows or self._cancelled)
 
     @property
     def active(self) -> int:
@@ -206,7 +171,7 @@ class BatchGenerator:
         uid = self._uids
         value = _seed(seed) if seed is not None else self.lockstep.seed(self, uid)
         marks = frozenset(b for b in boundaries if 0 < b < len(ids)) | {len(ids) - 1, len(ids)}
-        row = _Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
+        row = Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
         row.processing = self._processing(penalties, grammar, logprobs, len(ids))
@@ -253,15 +218,7 @@ class BatchGenerator:
         self._cancelled.append(row)
         if row in self.pending:
             self.pending.remove(row)
-            self._keep_prefill(row)
-
-    def _keep_prefill(self, row: _Row) -> None:
-        """Leave what a cancelled row's prefill computed in the prefix cache, so a retry resumes
-        there: its chunks end on the grid (or at marks), as the retry's will."""
-        if self.prefix is not None and row.cache is not None and row.fed > row.start:
-            if self.prefix.store(row.prompt[: row.fed], row.cache) is not None:
-                row.stats.stored_tokens = row.fed - row.start
-        row.cache = None
+            self.prefill.keep(row)
 
     def remove(self, uid: int, taken: Optional[int] = None) -> None:
         """Take a row out now (cancelling it if it still runs); with a prefix cache, the state
@@ -278,8 +235,6 @@ class BatchGenerator:
             return
         if taken is not None and taken < len(row.tokens):
             row.tokens = row.tokens[:taken]
-        if row in self._joined:
-            self._joined.remove(row)
         if row in self._cancelled:
             self._cancelled.remove(row)
         self._retire()
@@ -296,7 +251,7 @@ class BatchGenerator:
         if self.prefix is not None:
             self.prefix.evict(nbytes)
 
-    def _find(self, uid: int) -> Optional[_Row]:
+    def _find(self, uid: int) -> Optional[Row]:
         for row in [*self.pending, *self.rows]:
             if row.uid == uid:
                 return row
@@ -312,8 +267,11 @@ class BatchGenerator:
         events = [RowEvent(r.uid, [], [], r.finish_reason, r.stats) for r in self._cancelled]
         self._cancelled = []
         self._retire()
-        prefilled = self._prefill_chunk()
-        first = self._read_first()
+        prefilled, joined = self.prefill.step(self.pending, self._keeps_history)
+        if joined:
+            self.cache, self.state = join(self.cache, self.state, joined)
+            self.rows += [row for row, _ in joined]
+        first = first_events([row for row, _ in joined], self.stats, self.limit)
         events += first
         if first and self._inflight is None:  # nothing else runs: hand the first token out now
             self.lockstep.stepped(self)
@@ -345,7 +303,7 @@ class BatchGenerator:
         if self.state.history is not None:  # room for this round's tokens
             needed = int(self.cache.bound.max()) + plan.k + 2
             if needed > self.state.history.shape[1]:
-                self.state.history = _widen(self.state.history, needed + 256)
+                self.state.history = widen(self.state.history, needed + 256)
         self.state, out = run_round(self.target, self.proposer, self.cache, self.state, plan, self.lockstep.share,
                                     queue=mx.async_eval)
         mx.async_eval(out.tokens, out.accepted, out.drafted, self.state.tokens, self.state.hidden, self.cache.offset,
@@ -356,7 +314,7 @@ class BatchGenerator:
         """The policy of rounds with a grammar row (read serially, led by forced tokens), or of the rest."""
         return self.constrained_policy if constrained else self.policy
 
-    def _fixed_k(self, row: _Row) -> Optional[int]:
+    def _fixed_k(self, row: Row) -> Optional[int]:
         """The drafts that count for `row` whatever the round makes; None: the round's K, which
         the policy chooses (and rows of a fixed length make longer, if they need)."""
         if row.draft is None:
@@ -417,7 +375,7 @@ class BatchGenerator:
             rows, lengths = zip(*known)
             self.cache.settle(rows, lengths, ahead, reach=K_MAX + 1)
 
-    def _deliver(self, row: _Row, tokens: list, accepted: int, k: int, logprobs: Optional[list] = None,
+    def _deliver(self, row: Row, tokens: list, accepted: int, k: int, logprobs: Optional[list] = None,
                  forced: int = 0) -> RowEvent:
         """Hand out a round's tokens, cut after a stop token, at the budget or the context; the
         row's grammar takes them in."""
@@ -438,142 +396,15 @@ class BatchGenerator:
             stats.from_draft += sum(from_draft)
             stats.forced += min(forced, accepted, len(tokens))
         row.stats.decode_seconds = time.perf_counter() - row.began - row.stats.first_token_seconds
-        finish = row.finish_reason = finish or self._grammar_ends(row, tokens)
+        finish = row.finish_reason = finish or row.grammar_ends(tokens)
         return RowEvent(row.uid, tokens, from_draft, finish, row.stats, logprobs and logprobs[: len(tokens)])
 
-    @staticmethod
-    def _grammar_ends(row: _Row, tokens: list) -> Optional[str]:
-        """"dead_end" when the row's grammar allows no token after `tokens`."""
-        grammar = row.processing.grammar
-        if grammar is None:
-            return None
-        grammar.advance(tokens)
-        return "dead_end" if grammar.dead else None
-
-    # ---- prefill and joining -----------------------------------------------------------------
-
-    def _prefill_chunk(self) -> bool:
-        if not self.pending:
-            return False
-        row = self.pending[0]
-        if row.cache is None:
-            self._begin_prefill(row)
-        last = len(row.prompt) - 1
-        if row.fed < last:
-            end = self._chunk_end(row)
-            self.target(mx.array([row.prompt[row.fed : end]], dtype=mx.int32), row.cache, keep=0)
-            self._reached(row, end)
-            if end < last:
-                mx.async_eval([a for a in row.cache.keys + row.cache.values if a is not None])
-                return True
-        # The prompt's last token as a step of its own: the forward over the rest skips what
-        # only the last position needs (KV-shared layers, the head), and is faster so.
-        out = self.target(mx.array([row.prompt[last:]], dtype=mx.int32), row.cache, keep=1)
-        self._reached(row, last + 1)
-        self.pending.popleft()
-        seeds = mx.array([row.seed], dtype=mx.uint32)
-        processors = Processors.build([row.processing], self.target.vocab_size, 0)
-        prompt = mx.array([row.prompt], dtype=mx.int32)
-
-        def decide():  # where the logits are (under pipeline parallelism, the last rank)
-            nonlocal logits
-            logits = out.logits[:, -1:]
-            if processors is not None:  # at the prompt's last position: no drafts, the prompt as history
-                logits = processors(logits, mx.zeros((1, 0), dtype=mx.int32), prompt, mx.array([last]))
-            if row.params.greedy:
-                return (mx.argmax(logits[:, 0], axis=-1).astype(mx.int32),)
-            return (sample(probs(logits[:, 0], row.params), uniform(seeds, row.cache.offset, RESAMPLE)),)
-
-        logits = None
-        (first,) = self.lockstep.share(decide, [(1,)])
-        if processors is not None:
-            row.first_logprobs = processors.logprobs(logits, first[:, None])
-        history = None
-        if self._keeps_history(row):
-            history = mx.concatenate([prompt, first[:, None]], axis=1)
-        self._join(row, BatchState(first, out.hidden[:, -1], seeds, history))
-        mx.async_eval(first, *[a for a in row.first_logprobs or () if a is not None])
-        row.first = first
-        self._joined.append(row)
-        return True
-
-    def _keeps_history(self, row: _Row) -> bool:
-        """Whether the batch keeps token histories with `row` in it: for a proposer that looks
-        tokens up, or for penalties."""
-        return ((self.proposer is not None and self.proposer.needs_history) or row.processing.penalties.counts
+    def _keeps_history(self, joining: Sequence[Row]) -> bool:
+        """Whether the batch keeps token histories once `joining` join it: for a proposer that
+        looks tokens up, or for penalties."""
+        return ((self.proposer is not None and self.proposer.needs_history)
+                or any(row.processing.penalties.counts for row in joining)
                 or (self.state is not None and self.state.history is not None))
-
-    def _begin_prefill(self, row: _Row) -> None:
-        row.began = time.perf_counter()
-        row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
-        if self.prefix is not None:
-            row.start = row.fed = self.prefix.resume(row.prompt, row.cache)
-        row.stats.cached_tokens = row.start  # known from here on
-
-    def _chunk_end(self, row: _Row) -> int:
-        """Where the next chunk ends: on a grid of positions, so that a prompt resumed at a state
-        an earlier prompt left on that grid is cut as it would be whole, or at a state to leave,
-        and before the prompt's last token."""
-        grid = (row.fed // self.prefill_chunk + 1) * self.prefill_chunk
-        return min(grid, len(row.prompt) - 1, *(m for m in row.marks if m > row.fed))
-
-    def _reached(self, row: _Row, fed: int) -> None:
-        """The cache now holds `fed` prompt tokens: leave the state there if it is marked."""
-        self.stats.prompt_tokens += fed - row.fed  # as it is done, so cancelled prefills count too
-        row.fed = fed
-        if self.prefix is not None and fed in row.marks:
-            row.pinned.append(self.prefix.store(row.prompt[:fed], row.cache, pin=row.owner))
-            if row.pinned[-1] is not None:
-                row.stats.stored_tokens = fed - row.start
-
-    def _join(self, row: _Row, state: BatchState) -> None:
-        if self.cache is None:
-            self.cache, self.state, self.rows = row.cache, state, [row]
-        else:
-            self.cache.extend(row.cache)
-            self.rows.append(row)
-            s = self.state
-            history = None
-            if state.history is not None:  # (the joining row has one whenever the batch has)
-                mine = s.history if s.history is not None else mx.full((len(self.rows) - 1, 1), -1, dtype=mx.int32)
-                width = max(mine.shape[1], state.history.shape[1])
-                history = mx.concatenate([_widen(mine, width), _widen(state.history, width)])
-            self.state = BatchState(mx.concatenate([s.tokens, state.tokens]),
-                                    mx.concatenate([s.hidden, state.hidden.astype(s.hidden.dtype)]),
-                                    mx.concatenate([s.seeds, state.seeds]), history)
-        row.cache = None
-
-    def _read_first(self) -> list[RowEvent]:
-        events = []
-        for row in self._joined:
-            first = int(row.first.item())
-            top = row.processing.logprobs
-            lp = row.first_logprobs
-            lp = row_logprobs(tuple(None if a is None else a.tolist() for a in lp), 0, 1, top) if top is not None else None
-            row.stats.prompt_tokens, row.stats.cached_tokens = row.fed - row.start, row.start
-            self.stats.cached_tokens += row.start
-            row.stats.prompt_seconds = row.stats.first_token_seconds = time.perf_counter() - row.began
-            self.stats.prompt_seconds += row.stats.prompt_seconds
-            if row.finish_reason is None:
-                events.append(self._deliver_first(row, first, lp))
-        self._joined = []
-        return events
-
-    def _deliver_first(self, row: _Row, token: int, logprobs: Optional[list]) -> RowEvent:
-        grammar = row.processing.grammar
-        if grammar is not None and grammar.dead:  # it allows no first token
-            row.finish_reason = "dead_end"
-            return RowEvent(row.uid, [], [], "dead_end", row.stats)
-        row.tokens.append(token)
-        row.stats.emitted += 1
-        self.stats.emitted += 1
-        if token in row.stop_ids:
-            row.finish_reason = "stop"
-        elif row.max_tokens <= 1 or row.fed + 1 >= self.limit:
-            row.finish_reason = "length"
-        else:
-            row.finish_reason = self._grammar_ends(row, [token])
-        return RowEvent(row.uid, [token], [False], row.finish_reason, row.stats, logprobs)
 
     # ---- leaving -----------------------------------------------------------------------------
 
@@ -597,21 +428,13 @@ class BatchGenerator:
         self.state = BatchState(s.tokens[index], s.hidden[index], s.seeds[index],
                                 s.history[index] if s.history is not None and needed else None)
 
-    def _leave(self, row: _Row, cache: KVCache) -> None:
+    def _leave(self, row: Row, cache: KVCache) -> None:
         """Leave the state the row reached in the prefix cache (for its owner: in place of the
         ones its earlier rows left)."""
         cache.truncate([row.length])  # undo what was queued past the tokens handed out
         row.pinned.append(self.prefix.store((row.prompt + row.tokens)[: row.length], cache, pin=row.owner))
         if row.owner is not None:
             self.prefix.release(row.owner, keep=row.pinned)
-
-
-def _widen(history: mx.array, width: int) -> mx.array:
-    """Token history padded with -1 (unknown) to `width` positions."""
-    extra = width - history.shape[1]
-    if extra <= 0:
-        return history
-    return mx.concatenate([history, mx.full((history.shape[0], extra), -1, dtype=mx.int32)], axis=1)
 
 
 def _seed(seed: int) -> int:

@@ -239,7 +239,8 @@ class Leader(Stage):
             gen_id, prefix = next(self._ids), self._prefix_id(gen.prefix)
             self._tell({"call": "new", "gen": gen_id, "mtp": gen.proposer is not None,
                         "draft_tokens": "auto" if fixed is None else fixed, "prefill_chunk": gen.prefill_chunk,
-                        "prefix": prefix, "budget": None if gen.prefix is None else gen.prefix.budget})
+                        "prefill_tokens": gen.prefill_tokens, "prefix": prefix,
+                        "budget": None if gen.prefix is None else gen.prefix.budget})
         self._gens[gen] = gen_id
         weakref.finalize(gen, self._forgotten.append, ("gens", gen_id))
 
@@ -332,7 +333,7 @@ class Follower(Stage):
                 prefix = self._prefixes[message["prefix"]]
             gen = BatchGenerator(loaded.target, loaded.drafter if message["mtp"] else None,
                                  draft_tokens=message["draft_tokens"], prefill_chunk=message["prefill_chunk"],
-                                 prefix_cache=prefix)
+                                 prefix_cache=prefix, prefill_tokens=message["prefill_tokens"])
             if self._gen_id(gen) != message["gen"]:
                 self.group.fail("out of step with rank 0: generators numbered differently")
         elif call == "forget":

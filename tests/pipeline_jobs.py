@@ -35,12 +35,13 @@ def one_row(loaded, prompt, drafter=True, draft_tokens="auto", **kw) -> list:
 
 def batch(loaded, ps: list) -> dict:
     """Rows with different budgets; two join after three steps, one drafts nothing, one drafts
-    one token, one samples with a seed, and one is cancelled after five tokens."""
+    one token, one samples with a seed, and one is cancelled after five tokens. Prompts are
+    prefilled several to a forward (ranks pass the rows' activations side by side)."""
     jobs = {i: dict(max_tokens=b) for i, b in enumerate([30, 24, 26, 30, 20, 24, 28])}
     jobs[2]["mtp"] = False
     jobs[5]["draft_tokens"] = 1
     jobs[6].update(sampling=HOT, seed=11)
-    gen = BatchGenerator(loaded.target, loaded.drafter, draft_tokens=2, prefill_chunk=7)
+    gen = BatchGenerator(loaded.target, loaded.drafter, draft_tokens=2, prefill_chunk=7, prefill_tokens=24)
     uids, out = {}, {i: [] for i in jobs}
     for step in range(1000):
         if step in (0, 3):
@@ -53,6 +54,7 @@ def batch(loaded, ps: list) -> dict:
                 gen.cancel(event.uid)
         if not gen.busy and step >= 3:
             break
+    assert gen.prefill.pieces > gen.prefill.forwards  # rows did share prefill forwards
     return {str(i): tokens for i, tokens in out.items()}
 
 

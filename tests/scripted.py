@@ -117,6 +117,11 @@ class ScriptedTarget:
         return TargetOutput(self._logits(history[:, 0, :, 0].astype(mx.int32), positions), out.hidden,
                             out.shared_kv)
 
+    def ragged(self, chunks, caches, wanted):
+        from mlx_mtp.models.base import one_by_one
+
+        return one_by_one(self, chunks, caches, wanted)
+
     def _logits(self, history: mx.array, positions: mx.array) -> mx.array:
         B, L = positions.shape
         at = positions[..., None] - (self.n - 1) + mx.arange(self.n)  # (B, L, n) the last n positions

@@ -1,7 +1,8 @@
-"""A ragged forward (`Model.ragged`): the prompts of several sequences side by side in one forward.
-Each row's K/V, logits and hidden state are bit for bit those of its own forwards on the same chunk
-grid (float32 and 4-bit, the BLAS branch of a quantized product too, and under a BLAS whose
-rounding follows the number of rows)."""
+"""Prefill (`mlx_mtp/prefill.py`): queued prompts are prefilled several to a forward, side by side
+(`Model.ragged`). Each row's K/V, logits and hidden state are bit for bit those of its own
+forwards on the same chunk grid (float32 and 4-bit, the BLAS branch of a quantized product too,
+and under a BLAS whose rounding follows the number of rows), so outputs, seeded samples and the
+prefix cache's states are what each prompt gets alone."""
 
 import copy
 import json
@@ -14,16 +15,22 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import VARIANTS, reference, tiny_target
+from conftest import VARIANTS, reference, tiny_drafter, tiny_target
 
+from mlx_mtp.batch import BatchGenerator
+from mlx_mtp.cache import FULL, SLIDING
+from mlx_mtp.generate import generate_tokens
 from mlx_mtp.models.base import force_fused
 from mlx_mtp.models.quantized import dequantizing_from
+from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.quantize import quantize
+from mlx_mtp.sample import SamplingParams
 from mlx_mtp.speculative import MAX_ROLLBACK
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 12  # over ROW_EXACT_TOKENS: a chunk's quantized products may share a dequantised weight
 LENGTHS = (1, 2, 6, 9, 13, 30)  # one token, within a chunk, across chunks, past the sliding window of 8
+HOT = SamplingParams(temperature=1.0, top_p=0.95)
 
 
 def text(variant: str) -> list:
@@ -134,3 +141,130 @@ def test_rows_stay_exact_under_a_blas_that_rounds_by_the_number_of_rows():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out.pop("rounds_by_rows")  # the hazard is real here: a row's product depends on the others
     assert out == {k: [] for k in out}
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+
+def drain(gen, uids) -> dict:
+    out = {u: [] for u in uids}
+    while gen.busy:
+        for event in gen.step():
+            out[event.uid] += event.tokens
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompts_arriving_together_get_what_each_gets_alone(variant):
+    """Six prompts at once, prefilled several to a forward, MTP on with an independently random
+    drafter, generating past the sliding window: greedy rows give the plain greedy output and
+    seeded rows the sample they give alone."""
+    target, drafter = tiny_target(variant), tiny_drafter(variant)
+    ps = prompts(variant, (3, 5, 8, 11, 20, 40))
+    kws = [dict(max_tokens=30) for _ in ps]
+    kws[1].update(sampling=HOT, seed=4)
+    kws[4].update(sampling=HOT, seed=9)
+    gen = BatchGenerator(target, drafter, draft_tokens=2, prefill_chunk=7, prefill_tokens=32)
+    out = drain(gen, [gen.insert(p, **kw) for p, kw in zip(ps, kws)])
+    assert gen.prefill.pieces > gen.prefill.forwards  # rows did share forwards
+    assert gen.stats.accepted < gen.stats.drafted  # drafts really rejected
+    for (uid, tokens), p, kw in zip(out.items(), ps, kws):
+        if "seed" in kw:
+            one = BatchGenerator(target, drafter, draft_tokens=2, prefill_chunk=7)
+            assert tokens == drain(one, [one.insert(p, **kw)])[0], f"seeded row of {len(p)} tokens"
+        else:
+            plain = [t for t, _ in generate_tokens(target, p, max_tokens=30)]
+            assert tokens == plain, f"row of {len(p)} tokens"
+
+
+class Counting:
+    """The target, recording the tokens of each row of each ragged forward."""
+
+    def __init__(self, target):
+        self._target, self.forwards = target, []
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target(*args, **kwargs)
+
+    def ragged(self, chunks, caches, wanted):
+        self.forwards.append([c.shape[1] for c in chunks])
+        return self._target.ragged(chunks, caches, wanted)
+
+
+def test_a_prefill_forward_takes_at_most_its_budget_and_a_streaming_row_never_waits_long():
+    target = Counting(tiny_target("dense"))
+    gen = BatchGenerator(target, None, prefill_chunk=8, prefill_tokens=16)
+    streaming, streamed = gen.insert(text("dense")[:5], max_tokens=60), 0
+    while streamed < 2:  # its first token, then its first round: it is streaming
+        streamed += sum(e.uid == streaming for e in gen.step())
+    ps = prompts("dense", (30, 5, 5, 12, 3, 9))
+    uids = [gen.insert(p, max_tokens=3) for p in ps]
+    firsts, steps, out = {}, 0, {u: [] for u in uids}
+    while len(firsts) < len(uids):
+        steps += 1
+        events = gen.step()
+        assert any(e.uid == streaming and e.tokens for e in events)  # a round every step
+        for e in events:
+            if e.uid in out:
+                firsts.setdefault(e.uid, steps)
+                out[e.uid] += e.tokens
+    chunks = [f for f in target.forwards if sum(f) > len(f)]  # not only last tokens
+    assert all(sum(f) <= 16 for f in target.forwards) and max(len(f) for f in chunks) > 1
+    assert len(set(firsts.values())) > 1  # rows join as their prompt is done, not all at the end
+    for u, tokens in drain(gen, [streaming, *uids]).items():
+        out.setdefault(u, []).extend(tokens)
+    assert [len(out[u]) for u in uids] == [3] * len(uids)
+
+
+def states(gen_kwargs: dict, ps: list, boundaries: list) -> PrefixCache:
+    target, drafter = tiny_target("dense"), tiny_drafter("dense")
+    prefix = PrefixCache(target, 1 << 30)
+    gen = BatchGenerator(target, drafter, draft_tokens=2, prefill_chunk=7, prefix_cache=prefix, **gen_kwargs)
+    drain(gen, [gen.insert(p, max_tokens=4, boundaries=b) for p, b in zip(ps, boundaries)])
+    return prefix
+
+
+def test_states_a_batched_prefill_leaves_are_bitwise_those_of_a_prefill_alone():
+    """Every state rows leave while prefilled together (at turn ends, before and after a prompt's
+    last token), restored, holds exactly the K/V a one-at-a-time prefill leaves there."""
+    ps = prompts("dense", (13, 20, 26, 33))
+    boundaries = [[6], [10], [9, 17], [20]]
+    apart = states(dict(prefill_tokens=1), ps, boundaries)
+    side = states(dict(prefill_tokens=64), ps, boundaries)
+    target = tiny_target("dense")
+    checked = 0
+    for p, marks in zip(ps, boundaries):
+        for m in [*marks, len(p) - 1, len(p)]:
+            a, b = (target.make_cache(1, max_rollback=MAX_ROLLBACK) for _ in range(2))
+            tokens = p[:m] + [0]  # one token past the state: resume restores the state at m
+            assert apart.resume(tokens, a) == side.resume(tokens, b) == m
+            low = int(a.oldest()[0])
+            for kind, start in ((FULL, 0), (SLIDING, max(low, 0))):
+                for layer, (k, v) in a.read(start, m, kind).items():
+                    k2, v2 = b.read(start, m, kind)[layer]
+                    assert np.array_equal(np.array(k), np.array(k2))
+                    assert np.array_equal(np.array(v), np.array(v2))
+            checked += 1
+    assert checked == 13
+
+
+def test_prompts_sharing_a_stretch_that_arrive_together_prefill_it_once():
+    """Four prompts with one 40-token system turn arrive at once: the first prefills it, the others
+    wait for its state there and prefill only their own 10 tokens, several to a forward."""
+    target = tiny_target("dense")
+    system = text("dense")[:40]
+    ps = [system + text("dense")[50 + 10 * i : 60 + 10 * i] for i in range(4)]
+    gen = BatchGenerator(target, None, prefill_chunk=16, prefix_cache=PrefixCache(target, 1 << 30))
+    uids = [gen.insert(p, max_tokens=12, boundaries=[40]) for p in ps]
+    out, stats = {u: [] for u in uids}, {}
+    while gen.busy:
+        for event in gen.step():
+            out[event.uid] += event.tokens
+            stats[event.uid] = event.stats
+    assert [stats[u].cached_tokens for u in uids] == [0, 40, 40, 40]
+    assert gen.stats.prompt_tokens == 40 + 4 * 10 and gen.prefill.pieces > gen.prefill.forwards
+    for u, p in zip(uids, ps):
+        assert out[u] == [t for t, _ in generate_tokens(target, p, max_tokens=12)]

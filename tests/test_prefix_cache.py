@@ -14,6 +14,7 @@ import mlx_mtp
 from mlx_mtp.cache import FULL, SLIDING
 from mlx_mtp.engine import Engine, Request
 from mlx_mtp.loading import Loaded
+from mlx_mtp.models.base import one_by_one
 from mlx_mtp.prefix_cache import PrefixCache, token_bytes
 from mlx_mtp.speculative import MAX_ROLLBACK
 
@@ -230,6 +231,9 @@ class Flaky:
         if keep == 0 and self._poison in np.array(tokens).ravel().tolist():
             raise RuntimeError("injected failure")
         return self._target(tokens, cache, keep=keep)
+
+    def ragged(self, chunks, caches, wanted):
+        return one_by_one(self, chunks, caches, wanted)
 
 
 def test_a_failed_or_cancelled_request_leaves_nothing_wrong_behind(loaded):

@@ -30,6 +30,7 @@ from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
+from mlx_mtp.prefill import Prefill
 from mlx_mtp.prefix_cache import PrefixCache
 from mlx_mtp.sample import uniform
 from mlx_mtp.speculative import K_MAX, MAX_ROLLBACK, Drafts
@@ -74,13 +75,24 @@ class RowsOracle:
 
 class JoinTogether(BatchGenerator):
     """Bench only: every pending row is prefilled in the same step, so the batch starts with
-    all of its rows (the driver itself admits one prompt chunk per step)."""
+    all of its rows (the driver itself prefills at most `prefill_tokens` prompt tokens a step)."""
 
-    def _prefill_chunk(self) -> bool:
-        did = False
-        while self.pending:
-            did = super()._prefill_chunk() or did
-        return did
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefill = _Drain(self.target, self.prefill_chunk, self.prefill_tokens, self.prefix,
+                              self.lockstep.share, self.stats)
+
+
+class _Drain(Prefill):
+    """Prefill steps until the queue is empty, as one."""
+
+    def step(self, pending, keeps_history):
+        history = keeps_history(list(pending))  # decided for every row at once: they all join now
+        ran, joined = False, []
+        while pending:
+            did, done = super().step(pending, lambda rows: history)
+            ran, joined = ran or did, joined + done
+        return ran, joined
 
 
 def prefilled(target, prompts: list) -> PrefixCache:
