@@ -260,8 +260,8 @@ class BatchGenerator:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RowEvent]:
-        """Retire finished rows, prefill one chunk, queue the next round, and return new rows'
-        first tokens and the tokens of the round queued by the previous call."""
+        """Retire finished rows, prefill (a chunk's worth of queued prompts), queue the next round,
+        and return new rows' first tokens and the tokens of the round queued by the previous call."""
         mark_mlx_thread()
         self.lockstep.called(self, "step")
         events = [RowEvent(r.uid, [], [], r.finish_reason, r.stats) for r in self._cancelled]

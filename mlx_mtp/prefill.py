@@ -16,6 +16,7 @@ only what is new (eight clients with one system prompt still prefill it once).
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -54,7 +55,7 @@ class Prefill:
         self.forwards = 0  # prefill forwards run
         self.pieces = 0  # rows' pieces they carried (pieces / forwards: rows per forward)
 
-    def step(self, pending: list, keeps_history: Callable[[Sequence[Row]], bool]) -> tuple[bool, list]:
+    def step(self, pending: deque, keeps_history: Callable[[Sequence[Row]], bool]) -> tuple[bool, list]:
         """One step over the queue `pending` (rows in arrival order). Returns whether a forward
         ran, and the rows whose prompt is done with the state each joins the batch with (taken
         off the queue). `keeps_history(rows)`: whether the batch keeps token histories once they join."""
@@ -105,7 +106,7 @@ class Prefill:
             return False
         for other in pending:
             ahead = [m for m in other.marks if m > other.fed] if other.cache is not None else ()
-            if ahead and _common(row.prompt, other.prompt, max(ahead)) >= min(ahead):
+            if ahead and _common(row.ids, other.ids, max(ahead)) >= min(ahead):
                 return True
         return False
 
@@ -259,8 +260,8 @@ def widen(history: mx.array, width: int) -> mx.array:
     return mx.concatenate([history, mx.full((history.shape[0], extra), -1, dtype=mx.int32)], axis=1)
 
 
-def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def _common(a: np.ndarray, b: np.ndarray, limit: int) -> int:
     """How many leading tokens `a` and `b` share, counting up to `limit`."""
     n = min(len(a), len(b), limit)
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n

@@ -5,9 +5,11 @@ prompt processing that feeds it (`prefill.py`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Hashable, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import KVCache
 from .processors import RowProcessing
@@ -52,6 +54,11 @@ class Row:
     processing: RowProcessing = RowProcessing()
     first_logprobs: Optional[tuple] = None
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
+
+    @functools.cached_property
+    def ids(self) -> np.ndarray:
+        """The prompt as an array (compared with other prompts while queued)."""
+        return np.asarray(self.prompt, dtype=np.int64)
 
     @property
     def length(self) -> int:
