@@ -124,6 +124,20 @@ def test_mixed_mode_on_the_demo_pair(tmp_path):
     assert res["auto_vs_best_other"] > 0 and "Target (issue 20)" in md
 
 
+def test_prefill_mode_on_the_demo_pair(tmp_path):
+    out = tmp_path / "prefill"
+    rc = main(["prefill", "--arrivals", "3", "--prompt-tokens", "20-40", "--max-tokens", "4", "--budgets", "1,512",
+               "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    res, md = _results(out)
+    assert res["mismatches"] == []  # one at a time and batched both give plain greedy
+    rows = res["scenarios"][0]["rows"]
+    assert [r["label"] for r in rows] == ["one at a time", "batched, 512 tokens a step"]
+    assert rows[0]["rows_per_forward"] == 1 and rows[1]["rows_per_forward"] == 3
+    assert rows[0]["forwards"] == 6 and rows[1]["forwards"] == 2  # a chunk and a last token per row, or per step
+    assert "TTFT p95 ms" in md and res["scenarios"][0]["lengths"] == [20, 30, 40]
+
+
 def test_hosttime_mode_on_tiny_dense(tmp_path):
     out = tmp_path / "hosttime"
     rc = main(["hosttime", "--pair", "tiny-dense", "--k", "2,0", "--rounds", "4", "--repeats", "1",

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize,gpu} [options]`
+structured,mixed,realsize,gpu,prefill} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -27,6 +27,7 @@ MODES = {
     "structured": ("structured", "run_structured"),
     "realsize": ("realsize", "run_realsize"),
     "gpu": ("gpu", "run_gpu"),
+    "prefill": ("prefill", "run_prefill"),
 }
 
 
@@ -242,6 +243,20 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--no-demo", action="store_true", help="skip the demo pair")
     u.add_argument("--results-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "gpu"),
                    help="where a GPU run's JSON goes (<card>-<date>.json)")
+
+    f = sub.add_parser("prefill", help="requests arriving together: their prompts prefilled one at a time vs "
+                                       "several to a forward; TTFT p50/p95 and total (issue 31)")
+    common(f, "prefill")
+    f.add_argument("--pair", default="demo", help="a pair with a tokenizer (demo)")
+    f.add_argument("--arrivals", type=int, default=8, help="requests inserted at once")
+    f.add_argument("--prompt-tokens", default="300-600",
+                   help="new prompt tokens per request: lo-hi, lengths spread evenly (comma list: scenarios)")
+    f.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    f.add_argument("--chunk", type=int, default=512, help="prefill_chunk: the grid prompts are cut on")
+    f.add_argument("--budgets", default="1,512,2048",
+                   help="prefill_tokens of each configuration (the first is the baseline; under --chunk: one "
+                        "row at a time)")
+    f.set_defaults(repeats=3)
     return ap
 
 

@@ -70,7 +70,8 @@ def speed_md(res: dict) -> str:
 # mode -> (module of apps.bench, markdown function); speed's lives here
 RENDER = {"experts": "experts", "cost": "cost", "stepcost": "stepcost", "oracle": "oracle", "engine": "engine",
           "ttft": "ttft", "lookup": "lookup", "hosttime": "hosttime", "pipeline": "pipeline", "agent": "agent",
-          "mixed": "mixed", "structured": "structured", "realsize": "realsize", "gpu": "gpu"}
+          "mixed": "mixed", "structured": "structured", "realsize": "realsize", "gpu": "gpu",
+          "prefill": "prefill"}
 
 
 def header(res: dict) -> list[str]:
