@@ -12,25 +12,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
 from . import jit, memory, pipeline
 from .chat_format import Delta, OutputParser
-from .cli import prog_name
+from .cli import demo_pair, draft_tokens, error_line, positive_int, prog_name, readable
 from .conversation import Conversation
-from .generate import ContextLengthError, Event, stream_generate
+from .generate import ContextLengthError, stream_generate
 from .group import Group, launched
 from .loading import Loaded, load
 from .sample import SamplingParams
-from .speculative import K_MAX
 from .stats import Stats
+from .text import TextEvent
 
 
 HELP = """commands:
@@ -68,46 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--system and --think need the chat template, which --raw does not use")
     args.prompt, args.system = readable(args.prompt), readable(args.system)
     return args
-
-
-def draft_tokens(text: str):
-    if text == "auto":
-        return text
-    if _integer(text) in range(K_MAX + 1):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"must be 0-{K_MAX} (the longest draft) or auto, not {text!r}")
-
-
-def positive_int(text: str) -> int:
-    if (_integer(text) or 0) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {text!r}")
-
-
-def _integer(text: str) -> Optional[int]:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def readable(text: Optional[str]) -> Optional[str]:
-    """Command-line text with undecodable bytes (which Python keeps as surrogate escapes, and
-    tokenizers reject) replaced by U+FFFD."""
-    return None if text is None else os.fsencode(text).decode(sys.getfilesystemencoding(), "replace")
-
-
-def demo_pair() -> tuple[Path, Optional[Path]]:
-    try:
-        import mlx_mtp.demo as demo
-    except ImportError:
-        demo = None
-    file = getattr(demo, "__file__", None)
-    root = Path(file).parent if file else None
-    if root is None or not (root / "target").is_dir():
-        raise FileNotFoundError("no --model given and the bundled demo pair (mlx_mtp/demo) is not installed; "
-                                "pass --model DIR (and --drafter DIR)")
-    return root / "target", (root / "drafter") if (root / "drafter").is_dir() else None
 
 
 def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, Union[Conversation, "Completion", None], str]:
@@ -163,7 +121,7 @@ class Completion:
     def reset(self) -> None:
         self.tokens, self.last_stats = [], None
 
-    def reply(self, text: str, max_tokens: int, **options) -> Iterator[Event]:
+    def reply(self, text: str, max_tokens: int, **options) -> Iterator[TextEvent]:
         prompt = self.loaded.tokenizer.encode(text)
         room = self.loaded.target.config.max_position_embeddings - len(prompt)
         self.tokens = list(prompt)
@@ -338,7 +296,7 @@ def main(argv=None) -> int:
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
         loaded, conv, banner = open_session(args, group)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     # The model stays wired for the session: a chat exists to generate, like a server.
     with memory.generating(loaded.target, loaded.drafter):

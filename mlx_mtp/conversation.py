@@ -19,9 +19,10 @@ from typing import Iterator, Optional
 
 from . import chat_format
 from .batch import BatchGenerator, ContextLengthError
-from .generate import Event, row_events, text_events
+from .generate import row_events
 from .prefix_cache import PrefixCache
 from .stats import Stats
+from .text import TextEvent, text_events
 
 _KEYS = itertools.count()
 
@@ -77,7 +78,7 @@ class Conversation:
         """Token ids of `messages` followed by the model's generation prompt."""
         return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking).tokens
 
-    def reply(self, text: str, max_tokens: int = 256, **kwargs) -> Iterator[Event]:
+    def reply(self, text: str, max_tokens: int = 256, **kwargs) -> Iterator[TextEvent]:
         """Add a user message and stream the model's reply.
 
         Args:
@@ -97,7 +98,7 @@ class Conversation:
         message, prompt = self._render_turn(text)
         return self._stream(message, prompt, max_tokens, dict(kwargs), self._version)
 
-    def _stream(self, message: dict, prompt: list, max_tokens: int, kwargs: dict, version: int) -> Iterator[Event]:
+    def _stream(self, message: dict, prompt: list, max_tokens: int, kwargs: dict, version: int) -> Iterator[TextEvent]:
         if version != self._version:
             raise RuntimeError("the conversation changed after this reply was made; call reply() again")
         turn = self.begin(message, prompt, max_tokens)

@@ -35,7 +35,6 @@ from .batch import BatchGenerator, check_fits
 from .cache import FULL, SLIDING
 from .chat_format import Delta, OutputParser, Reply
 from .conversation import Conversation, Turn
-from .generate import Detokenizer, encode, token_piece
 from .grammar import Grammar, vocabulary
 from .prefix_cache import PrefixCache, token_bytes
 from .prefix_disk import open_disk_tier
@@ -43,6 +42,7 @@ from .processors import MAX_LOGPROBS, NONE, Penalties
 from .sample import SamplingParams
 from .speculative import MAX_ROLLBACK, check_draft_tokens
 from .stats import Stats
+from .text import Detokenizer, encode, token_piece
 from .threads import mark_mlx_thread
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class ErrorEvent:
         return f"{type(self.error).__name__}: {self.error}"
 
 
-Event = Union[TokenEvent, DoneEvent, ErrorEvent]
+RequestEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
 
 
 class RequestHandle:
@@ -213,7 +213,7 @@ class RequestHandle:
     def finished(self) -> bool:
         return self._state == "finished"
 
-    def events(self, timeout: Optional[float] = None) -> Iterator[Event]:
+    def events(self, timeout: Optional[float] = None) -> Iterator[RequestEvent]:
         """Yield events up to and including the final DoneEvent or ErrorEvent.
 
         Raises:
@@ -227,7 +227,7 @@ class RequestHandle:
             self._seen_last = event.kind != "token"
             yield event
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[RequestEvent]:
         return self.events()
 
     def result(self, timeout: Optional[float] = None) -> DoneEvent:
@@ -250,7 +250,7 @@ class RequestHandle:
             self._state = "running"
             return True
 
-    def _finish(self, event: Event) -> None:
+    def _finish(self, event: RequestEvent) -> None:
         with self._lock:
             if self._state != "finished":
                 self._state = "finished"
@@ -685,7 +685,7 @@ class Engine:
             self._pieces[token] = token_piece(tokenizer, token) if tokenizer is not None else ("", b"")
         return self._pieces[token]
 
-    def _end(self, uid: int, run: _Running, event: Event) -> None:
+    def _end(self, uid: int, run: _Running, event: RequestEvent) -> None:
         del self._running[uid]
         if run.conversation is not None:
             with self._lock:

@@ -17,7 +17,6 @@ import mlx_mtp
 from apps.serve_load import free_port, run_clients, start_server, stop_server, stream, wait_healthy
 from mlx_mtp.demo import load_demo
 from mlx_mtp.server.metrics import parse as parse_metrics
-from mlx_mtp.server.protocol import StopMatcher
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MODEL = "mlx-mtp-demo"
@@ -162,23 +161,6 @@ def test_seed_makes_sampling_reproducible(client):
 
 
 # ---- stop strings ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stops, pieces, sent", [
-    (["END"], ["ab", "cE", "N", "Dxyz"], ["ab", "c", "", ""]),  # split over three pieces
-    (["aab"], ["a", "a", "a", "b", "c"], ["", "", "a", ""]),  # a false start is released
-    (["xy", "b"], ["a", "bxy"], ["a", ""]),  # the earliest stop string wins
-    (["zz"], ["abc", "z"], ["abc", ""]),  # held back until the stream ends: flush sends it
-])
-def test_stop_matcher(stops, pieces, sent):
-    m, out = StopMatcher(stops), []
-    for piece in pieces:
-        out.append(m.feed(piece))
-        if m.hit:
-            break
-    assert out == sent
-    if stops == ["zz"]:
-        assert not m.hit and m.flush() == "z"
 
 
 def test_stop_string_spanning_a_token_boundary(client, url):

@@ -15,7 +15,6 @@ sessions (as with `CLAUDE_CODE_ATTRIBUTION_HEADER=0`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
@@ -26,26 +25,15 @@ from ..chat_format import Delta
 from ..engine import Request
 from ..generate import ContextLengthError
 from ..grammar import Grammar
-from .common import (APIError, Outcome, ServedModel, check_model, checked, draft_tokens, flag, forced_calls, integer,
-                     invalid, json_grammar, mapping, sampling, strings, structured, typed, unsupported)
+from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
+                     forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
+                     unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 529: "overloaded_error"}
 BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE | re.IGNORECASE)
 BLOCK_TYPES = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One parsed request: what the engine runs and how the answer is shaped."""
-
-    request: Request
-    stop: tuple
-    stream: bool
-    model: str
-    id: str
-    parallel_tool_calls: bool = True
 
 
 def error_body(error: APIError) -> dict:

@@ -33,8 +33,9 @@ from .. import chat_format
 from ..chat_format import Delta
 from ..engine import Engine, QueueFull, RequestHandle
 from ..generate import ContextLengthError
+from ..text import StopMatcher
 from . import anthropic, protocol
-from .common import KEEPALIVE, APIError, Outcome, ServedModel, StopMatcher, invalid
+from .common import KEEPALIVE, APIError, Outcome, ServedModel, invalid
 from .metrics import render as render_metrics
 
 log = logging.getLogger(__name__)
