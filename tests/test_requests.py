@@ -1,5 +1,6 @@
-"""Tokens to text: stop strings cut out of streamed text, and token ids the tokenizer cannot spell,
-which must not stop the Engine."""
+"""What a request means, applied by the Engine below any API: stop strings (inside a speculative
+round and across rounds, with the real demo drafter drafting), their check, and token ids the
+tokenizer cannot spell."""
 
 import json
 
@@ -15,6 +16,7 @@ from mlx_mtp.text import Detokenizer, StopMatcher
 from mlx_mtp.tiny import CONFIGS, randomize
 
 WAIT = 60
+K = 3  # a fixed draft length: greedy rounds are then the same on every run
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,48 @@ def test_stop_matcher(stops, pieces, sent):
     assert out == sent
     if stops == ["zz"]:
         assert not m.hit and m.flush() == "z"
+
+
+def stop_at(texts: list, first: int) -> tuple:
+    """(stop string, where it starts in the text) made of the end of token `first`'s text and the
+    start of the next one's, where that is its first occurrence; None if there is none such."""
+    text = "".join(texts)
+    left, right = texts[first][-2:], texts[first + 1][:2]
+    at = len("".join(texts[: first + 1])) - len(left)
+    return (left + right, at) if left and right and text.find(left + right) == at else None
+
+
+@pytest.mark.parametrize("where", ["inside a round", "across rounds"])
+def test_a_stop_string_ends_the_reply_and_its_generation(demo, where):
+    request = dict(prompt="def fib(n):", max_tokens=80, draft_tokens=K)
+    with Engine(demo) as engine:
+        events = list(engine.submit(Request(**request)).events(WAIT))
+        tokens, done = events[:-1], events[-1]
+        assert done.finish_reason == "length" and done.stats.accepted > 0  # the drafter really drafts
+        texts, drafted = [e.text for e in tokens], [e.from_draft for e in tokens]
+        # A round is its accepted drafts, then the target's token. Inside: tokens i and i + 1 are
+        # accepted drafts, so the round goes on past the stop string; across: token i ends a round.
+        fits = {"inside a round": lambda i: drafted[i] and drafted[i + 1],
+                "across rounds": lambda i: not drafted[i]}
+        found = [(i, s) for i in range(4, len(tokens) - 1) if fits[where](i) and (s := stop_at(texts, i))]
+        assert found, f"no usable place in {texts}"
+        i, (stop, at) = found[0]
+        before = engine.metrics()["generation_tokens_total"]
+        stopped = list(engine.submit(Request(**request, stop=[stop, "never appears"])).events(WAIT))
+        generated = engine.metrics()["generation_tokens_total"] - before
+    end = stopped[-1]
+    assert "".join(e.text for e in stopped[:-1]) == done.text[:at] == end.text  # nothing past the stop string
+    assert (end.finish_reason, end.stop_sequence) == ("stop", stop) and stopped[-2].finish_reason == "stop"
+    assert list(end.tokens) == [e.token for e in tokens[: i + 2]]  # up to the token that completed it
+    # generation stopped there: at most the round it ended in and the one queued after it ran
+    assert end.stats.emitted <= i + 2 + 2 * (K + 1) and generated == end.stats.emitted < 80
+
+
+def test_stop_strings_are_checked(demo):
+    with Engine(demo) as engine:
+        for stop in ("abc", [""], [3]):
+            with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+                engine.submit(Request("x", stop=stop))
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,8 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import chat_format
 from ..chat_format import Delta
-from ..engine import Request
-from ..generate import ContextLengthError
 from ..grammar import Grammar
+from ..requests import ContextLengthError, Request
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
                      unsupported)
@@ -62,10 +61,10 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
         continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
         max_tokens=max_tokens or model.context, fit_max_tokens=not count, sampling=sampling(body, temperature_high=1.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
-        grammar=structured(body, _output_format(body), forced),
+        grammar=structured(body, _output_format(body), forced), stop=strings(body, "stop_sequences"),
+        parallel_tool_calls=parallel,
     )
-    return Job(request, strings(body, "stop_sequences"), flag(body, "stream", False), model.id,
-               f"msg_{uuid.uuid4().hex[:24]}", parallel)
+    return Job(request, flag(body, "stream", False), model.id, f"msg_{uuid.uuid4().hex[:24]}")
 
 
 def _check_ignored(body: dict) -> None:

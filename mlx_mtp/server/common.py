@@ -1,6 +1,6 @@
 """What the wire formats share: the error that becomes an HTTP error, the served model, a parsed
 request (`Job`), checks of request fields (structured output among them), and how a request
-ended. Plain Python, no MLX and no HTTP."""
+ended. Plain Python, no MLX and no HTTP: the engine's types come from `requests`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from ..chat_format import Delta
 from ..grammar import Grammar
+from ..requests import Request
 from ..sample import SamplingParams
 from ..speculative import K_MAX
 from ..stats import Stats
@@ -40,15 +41,13 @@ def unsupported(param: str, message: str) -> APIError:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One parsed request of either API: what the engine runs, its stop strings and tool-call
-    rule, and what shapes the answer (each API adds its own fields)."""
+    """One parsed request of either API: what the engine runs (the `Request`, with its stop
+    strings and tool-call rule) and what shapes the answer (each API adds its own fields)."""
 
-    request: Any  # the engine's `Request`
-    stop: tuple
+    request: Request
     stream: bool
     model: str
     id: str
-    parallel_tool_calls: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +115,11 @@ def json_grammar(schema: Any, param: str) -> Grammar:
 class Outcome:
     """How a request ended: filled in while its reply is read."""
 
-    finish_reason: Optional[str] = None  # the engine's "stop" / "length" / "dead_end", or "stop" at a stop string
+    finish_reason: Optional[str] = None  # the engine's "stop" (a stop token or string) / "length" / "dead_end"
     stop_sequence: Optional[str] = None  # the stop string that ended it
     tool_calls: int = 0
     prompt_tokens: int = 0
-    completion_tokens: int = 0  # the tokens behind what was sent (the one completing a stop string included)
+    completion_tokens: int = 0  # the tokens streamed (the one completing a stop string included)
     stats: Optional[Stats] = None  # the engine's account, once the request is done
     logprobs: Optional[list] = None  # `engine.TokenLogprob` of each token read, when the request asked
     logprobs_sent: int = 0

@@ -19,11 +19,10 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import chat_format
 from ..chat_format import Delta, Reply, ToolCall
-from ..engine import Request, TokenLogprob
 from ..grammar import Grammar
 from ..processors import MAX_LOGPROBS, Penalties
+from ..requests import ContextLengthError, Request, TokenLogprob
 from ..stats import Stats
-from ..generate import ContextLengthError
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings,
                      structured, typed, unsupported)
@@ -92,14 +91,13 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
         **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, 2.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
         penalties=_penalties(body, model.vocab_size), grammar=structured(body, _response_format(body), forced),
-        logprobs=_logprobs(body, kind),
+        logprobs=_logprobs(body, kind), stop=strings(body, "stop"),
+        parallel_tool_calls=flag(body, "parallel_tool_calls", True),
     )
     prefix = "chatcmpl-" if kind == "chat.completion" else "cmpl-"
     include_usage = stream and flag(options, "include_usage", False)
     job_id = prefix + uuid.uuid4().hex[:24]
-    parallel = flag(body, "parallel_tool_calls", True)
-    return OpenAIJob(request, strings(body, "stop"), stream, model.id, job_id, parallel, kind, include_usage,
-                     int(time.time()))
+    return OpenAIJob(request, stream, model.id, job_id, kind, include_usage, int(time.time()))
 
 
 def _object(body: Any) -> dict:
