@@ -81,6 +81,14 @@ def test_stop_strings_are_checked(demo):
         for stop in ("abc", [""], [3]):
             with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
                 engine.submit(Request("x", stop=stop))
+        # a stop string in a conversation: the reply, and the conversation, end at it
+        chat = mlx_mtp.Conversation(demo, engine=engine)
+        full = "".join(e.text for e in chat.reply("Write a function.", max_tokens=24))
+        chat.reset()
+        stop = full[10:13]
+        text = "".join(e.text for e in chat.reply("Write a function.", max_tokens=24, stop=[stop]))
+        assert text == full[: full.index(stop)] and chat.last_done.stop_sequence == stop
+        assert chat.messages[-1]["content"].startswith(text) and len(chat.last_done.tokens) < 24
 
 
 @pytest.fixture(scope="module")
