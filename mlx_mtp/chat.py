@@ -1,10 +1,12 @@
 """`python -m mlx_mtp.chat`: chat with a Gemma 4 model in the terminal, with MTP speculative decoding.
 
-Every turn reuses the KV cache of the conversation so far. Without --model it runs the small demo
-pair bundled in `mlx_mtp.demo`. With --prompt it answers once and exits (for scripts); without a
-terminal it reads one message per line from stdin. With --raw each message is completed as plain
-text (no chat template, no history), which suits code models. With --think the model reasons
-before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to stdout.
+The chat is a client of an `Engine` (the server's code path: its prefix cache, memory admission and
+request semantics): every turn reuses the KV cache of the conversation so far. Without --model it
+runs the small demo pair bundled in `mlx_mtp.demo`. With --prompt it answers once and exits (for
+scripts); without a terminal it reads one message per line from stdin. With --raw each message is
+completed as plain text (no chat template, no history), which suits code models. With --think the
+model reasons before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to
+stdout.
 """
 
 from __future__ import annotations
@@ -12,24 +14,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
 from . import jit, memory, pipeline
-from .chat_format import Delta, OutputParser
-from .cli import prog_name
+from .cli import demo_pair, draft_tokens, error_line, positive_int, prog_name, readable
 from .conversation import Conversation
-from .generate import ContextLengthError, Event, stream_generate
+from .engine import Engine
 from .group import Group, launched
 from .loading import Loaded, load
+from .requests import ContextLengthError, Request, TokenEvent
 from .sample import SamplingParams
-from .speculative import K_MAX
 from .stats import Stats
 
 
@@ -70,49 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def draft_tokens(text: str):
-    if text == "auto":
-        return text
-    if _integer(text) in range(K_MAX + 1):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"must be 0-{K_MAX} (the longest draft) or auto, not {text!r}")
-
-
-def positive_int(text: str) -> int:
-    if (_integer(text) or 0) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {text!r}")
-
-
-def _integer(text: str) -> Optional[int]:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def readable(text: Optional[str]) -> Optional[str]:
-    """Command-line text with undecodable bytes (which Python keeps as surrogate escapes, and
-    tokenizers reject) replaced by U+FFFD."""
-    return None if text is None else os.fsencode(text).decode(sys.getfilesystemencoding(), "replace")
-
-
-def demo_pair() -> tuple[Path, Optional[Path]]:
-    try:
-        import mlx_mtp.demo as demo
-    except ImportError:
-        demo = None
-    file = getattr(demo, "__file__", None)
-    root = Path(file).parent if file else None
-    if root is None or not (root / "target").is_dir():
-        raise FileNotFoundError("no --model given and the bundled demo pair (mlx_mtp/demo) is not installed; "
-                                "pass --model DIR (and --drafter DIR)")
-    return root / "target", (root / "drafter") if (root / "drafter").is_dir() else None
-
-
-def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, Union[Conversation, "Completion", None], str]:
-    """Load the model (this rank's part of it in a pipeline group); returns it, the conversation
-    (a `Completion` with --raw; None on a rank that only follows rank 0) and a banner line."""
+def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, str]:
+    """Load the model (this rank's part of it in a pipeline group) and check that it can chat;
+    returns it and a banner line."""
     model, drafter, dtype = args.model, args.drafter, args.dtype
     what = f"model {model}"
     if model is None:
@@ -129,14 +88,14 @@ def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, Union[Con
         loaded = pipeline.load(model, drafter, dtype, group)
     banner = f"{what}; {decoding(args, drafter)}"
     if group is not None and not group.leader:
-        return loaded, None, banner
+        return loaded, banner
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: chat needs one")
     if args.raw:
-        return loaded, Completion(loaded), f"{banner}; raw completion, no chat template"
+        return loaded, f"{banner}; raw completion, no chat template"
     if not getattr(loaded.tokenizer, "has_chat_template", True):
         raise ValueError(f"{model}'s tokenizer has no chat template; --raw completes plain text")
-    return loaded, Conversation(loaded, system=args.system, enable_thinking=args.think), banner
+    return loaded, banner
 
 
 def decoding(args, drafter) -> str:
@@ -150,31 +109,44 @@ def decoding(args, drafter) -> str:
 
 
 class Completion:
-    """--raw: each message is completed as plain text, with no chat template and no history.
-    It offers what the REPL uses of a `Conversation`."""
+    """--raw: each message is completed as plain text, with no chat template and no history (a
+    one-shot request to the engine). It offers what the REPL uses of a `Conversation`."""
 
-    prefix_cache = None  # each completion starts from an empty cache
+    enable_thinking = False
 
-    def __init__(self, loaded):
-        self.loaded = loaded
+    def __init__(self, engine: Engine):
+        self.engine, self.loaded = engine, engine.loaded
         self.tokens: list[int] = []  # the last completion's prompt and output
         self.last_stats: Optional[Stats] = None
 
     def reset(self) -> None:
         self.tokens, self.last_stats = [], None
 
-    def reply(self, text: str, max_tokens: int, **options) -> Iterator[Event]:
+    def cached_tokens(self) -> int:
+        return self.engine.cached(self.tokens)
+
+    def reply(self, text: str, max_tokens: int, **options) -> Iterator[TokenEvent]:
         prompt = self.loaded.tokenizer.encode(text)
         room = self.loaded.target.config.max_position_embeddings - len(prompt)
-        self.tokens = list(prompt)
-        events = stream_generate(self.loaded, prompt, max_tokens=max(1, min(max_tokens, room)), **options)
+        handle = self.engine.submit(Request(prompt, max_tokens=max(1, min(max_tokens, room)), **options))
+        self.tokens, self.last_stats = list(prompt), handle.stats
+        return self._stream(handle)
+
+    def _stream(self, handle) -> Iterator[TokenEvent]:
         try:
-            for event in events:
+            for event in handle:
+                if event.kind == "error":
+                    raise event.error
+                if event.kind == "done":
+                    self.last_stats = event.stats
+                    return
                 self.tokens.append(event.token)
-                self.last_stats = event.stats
                 yield event
         finally:
-            events.close()
+            handle.cancel()  # closed early: stop generating (a no-op once it ended)
+
+
+Session = Union[Conversation, Completion]
 
 
 def stat_line(s: Stats) -> str:
@@ -187,7 +159,7 @@ def stat_line(s: Stats) -> str:
     return line + "]"
 
 
-def say_if_cut(session) -> None:
+def say_if_cut(session: Session) -> None:
     """Say so when the last reply stopped because the conversation filled the model's context."""
     limit = session.loaded.target.config.max_position_embeddings
     if len(session.tokens) >= limit:
@@ -195,29 +167,29 @@ def say_if_cut(session) -> None:
         print(f"[reply cut at the model's context of {limit} tokens{hint}]", file=sys.stderr, flush=True)
 
 
-def details(conv: Conversation) -> str:
+def details(session: Session) -> str:
+    kept = session.cached_tokens() if session.tokens else 0
+    cache = session.engine.metrics()
     kv = "KV cache: empty"
-    kept = conv.prefix_cache
-    if kept is not None and kept.checkpoints:
-        kv = (f"KV cache: {kept.lookup(conv.tokens)} tokens of the conversation kept, "
-              f"{kept.nbytes / 2**20:.1f} MiB ({kept.checkpoints} states)")
+    if cache["prefix_cache_states"]:
+        kv = (f"KV cache: {kept} tokens of the conversation kept, "
+              f"{cache['prefix_cache_bytes'] / 2**20:.1f} MiB ({cache['prefix_cache_states']} states)")
     held = f"{kv}\n{memory.usage_line()}"
-    if conv.last_stats is None:
+    if session.last_stats is None:
         return f"no reply yet\n{held}"
-    s = conv.last_stats
+    s = session.last_stats
     prompt = (f"prompt: {s.prompt_tokens} tokens fed ({s.prompt_tps:.0f} tok/s), "
               f"{s.cached_tokens} reused from the cache")
     return f"last reply: {s.summary()}\n{prompt}\n{held}"
 
 
-def answer(conv: Conversation, text: str, options: dict) -> None:
-    stream, stats = conv.reply(text, **options), None
-    printer = Printer(conv)
+def answer(session: Session, text: str, options: dict) -> None:
+    stream, printer, replied = session.reply(text, **options), Printer(session.enable_thinking), False
     try:
         with ctrl_c() as stop:
             for event in stream:
-                printer.print(event.text)
-                stats = event.stats
+                printer.show(event.parts)
+                replied = True
                 if stop.is_set():
                     break
     except KeyboardInterrupt:  # a second Ctrl-C: the conversation keeps what was written
@@ -226,32 +198,23 @@ def answer(conv: Conversation, text: str, options: dict) -> None:
         stream.close()
         printer.finish()
     print(flush=True)
-    if stats is not None:
-        print(stat_line(stats), file=sys.stderr, flush=True)
+    if replied and session.last_stats is not None:
+        print(stat_line(session.last_stats), file=sys.stderr, flush=True)
 
 
 class Printer:
-    """Prints a reply as it streams: the answer on stdout, the reasoning (when the conversation
-    thinks) on stderr, dimmed on a terminal, and tool calls as `[tool call] NAME {arguments}`.
-    A --raw completion is printed as it is."""
+    """Prints a reply as it streams, from the parts the engine parsed it into: the answer on
+    stdout, the reasoning (with --think) on stderr, dimmed on a terminal, and tool calls as
+    `[tool call] NAME {arguments}`. A --raw completion is all answer."""
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
-    def __init__(self, conv):
-        self.parser = OutputParser() if isinstance(conv, Conversation) else None
-        self.thinking = getattr(conv, "enable_thinking", False)
+    def __init__(self, thinking: bool):
+        self.thinking = thinking  # show reasoning (without --think, hide any)
         self.reasoning = False  # in the middle of printing reasoning
         self.tty = sys.stderr.isatty()
 
-    def print(self, text: str) -> None:
-        self._show(self.parser.feed(text) if self.parser else [Delta("content", text)])
-
-    def finish(self) -> None:
-        if self.parser is not None:
-            self._show(self.parser.finish())
-        self._end_reasoning()
-
-    def _show(self, parts: list) -> None:
+    def show(self, parts) -> None:
         for part in parts:
             if part.kind == "reasoning":
                 if self.thinking:
@@ -262,6 +225,9 @@ class Printer:
                 print(f"\n[tool call] {part.call.name} {part.call.arguments_json}", flush=True)
             else:
                 print(part.text, end="", flush=True)
+
+    def finish(self) -> None:
+        self._end_reasoning()
 
     def _reason(self, text: str) -> None:
         if not self.reasoning:
@@ -309,7 +275,7 @@ def lines(interactive: bool) -> Iterator[str]:
             print()  # Ctrl-C at the prompt clears the line; Ctrl-D leaves
 
 
-def repl(conv: Conversation, options: dict, interactive: bool) -> None:
+def repl(session: Session, options: dict, interactive: bool) -> None:
     for line in lines(interactive):
         command = line.strip()
         if command in ("/quit", "/exit", "quit", "exit"):
@@ -317,16 +283,16 @@ def repl(conv: Conversation, options: dict, interactive: bool) -> None:
         if command == "/help":
             print(HELP)
         elif command == "/reset":
-            conv.reset()
+            session.reset()
             print("(new conversation)")
         elif command == "/stats":
-            print(details(conv))
+            print(details(session))
         elif command.startswith("/"):
             print(f"unknown command {command}; /help lists them")
         elif command:
             try:
-                answer(conv, line, options)
-                say_if_cut(conv)
+                answer(session, line, options)
+                say_if_cut(session)
             except ContextLengthError as e:
                 print(f"error: {e}; /reset to start over", file=sys.stderr)
 
@@ -336,33 +302,48 @@ def main(argv=None) -> int:
     try:
         group = launched()  # the ranks `mlx.launch` started together (pipeline parallelism), or None
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k)
-        loaded, conv, banner = open_session(args, group)
+        loaded, banner = open_session(args, group)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     # The model stays wired for the session: a chat exists to generate, like a server.
     with memory.generating(loaded.target, loaded.drafter):
         if group is None:
-            return talk(conv, args, sampling, banner)
+            return talk(loaded, args, sampling, banner)
         print(loaded.target.pipeline.describe(), file=sys.stderr)
-        return pipeline.run(loaded, group, lambda: talk(conv, args, sampling, banner)) or 0
+        return pipeline.run(loaded, group, lambda: talk(loaded, args, sampling, banner)) or 0
 
 
-def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int:
-    """Answer --prompt, or run the REPL."""
+def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
+    """Start the engine the chat is a client of; answer --prompt, or run the REPL."""
     options = dict(max_tokens=args.max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
                    mtp=not args.no_mtp, seed=args.seed)
     print(banner, file=sys.stderr)
-    print(memory.plan(conv.loaded.target, conv.loaded.drafter).describe(), file=sys.stderr)
-    jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
-    if args.prompt is not None:
-        try:
-            answer(conv, args.prompt, options)
-            say_if_cut(conv)
-        except ContextLengthError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
+    with Engine(loaded, max_batch=1, draft_tokens=args.draft_tokens) as engine:
+        print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
+        jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
+        if args.raw:
+            session: Session = Completion(engine)
+        else:
+            session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine)
+        if args.prompt is not None:
+            return answer_once(session, args.prompt, options)
+        return converse(session, options)
+
+
+def answer_once(session: Session, text: str, options: dict) -> int:
+    """--prompt: answer one message; 1 when it does not fit the context."""
+    try:
+        answer(session, text, options)
+        say_if_cut(session)
+    except ContextLengthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def converse(session: Session, options: dict) -> int:
+    """The REPL, on a terminal or over stdin lines."""
     if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable bytes become U+FFFD, not a crash
         sys.stdin.reconfigure(errors="replace")
     interactive = sys.stdin.isatty()
@@ -372,7 +353,7 @@ def talk(conv: Conversation, args, sampling: SamplingParams, banner: str) -> int
         signal.signal(signal.SIGINT, signal.default_int_handler)
         print("type /help for commands", file=sys.stderr)
     try:
-        repl(conv, options, interactive)
+        repl(session, options, interactive)
     except KeyboardInterrupt:
         print()
     return 0

@@ -96,11 +96,21 @@ class Reply:
 
 class Prompt(NamedTuple):
     """A rendered prompt; `open` is the text after a reasoning channel the prompt leaves open
-    (None when it leaves none open), which is where the model's output starts."""
+    (None when it leaves none open), which is where the model's output starts; `thinking`: it
+    was rendered with thinking on."""
 
     text: str
     tokens: list
     open: Optional[str] = None
+    thinking: bool = False
+
+    @property
+    def reasoning(self) -> Optional[bool]:
+        """Whether the reply may reason before it answers (the one place that decides it, for
+        the output's parser and its grammar): True when the prompt left a reasoning channel
+        open (the reply starts inside it), False when thinking is on (the reply may open one),
+        None when neither."""
+        return True if self.open is not None else (False if self.thinking else None)
 
     def parser(self, tools: bool = True) -> "OutputParser":
         """A parser for the model's output after this prompt."""
@@ -127,7 +137,7 @@ def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapp
         text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
                            and not continue_final_message, **options)
     tokens = list(tokenizer.encode(text, add_special_tokens=False))
-    return Prompt(text, tokens, _open_channel(text))  # a channel the generation prompt left open
+    return Prompt(text, tokens, _open_channel(text), enable_thinking)  # a channel the prompt left open
 
 
 def render_text(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,

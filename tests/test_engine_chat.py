@@ -84,6 +84,14 @@ def test_a_two_step_tool_loop(engine):
     assert engine.submit(Request(messages=both, tools=TOOLS, max_tokens=100)).result(60).text.startswith("Oslo")
 
 
+def test_parallel_tool_calls_off_keeps_the_first_call(engine):
+    text = "Compare the weather in Oslo and in Rome."
+    both, first = (engine.submit(request(text, parallel_tool_calls=p)) for p in (True, False))
+    assert len(both.result(60).tool_calls) == 2
+    events, oslo = list(first.events(60)), EXPECTED[(text, False)][0]
+    assert parts_of(events) == [oslo] and events[-1].tool_calls == (oslo.call,)  # streamed and whole
+
+
 def test_prompt_tokens_and_counting(engine, loaded):
     req = request(SEVEN, thinking=True)
     handle = engine.submit(req)

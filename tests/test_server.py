@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -17,7 +18,6 @@ import mlx_mtp
 from apps.serve_load import free_port, run_clients, start_server, stop_server, stream, wait_healthy
 from mlx_mtp.demo import load_demo
 from mlx_mtp.server.metrics import parse as parse_metrics
-from mlx_mtp.server.protocol import StopMatcher
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MODEL = "mlx-mtp-demo"
@@ -164,45 +164,56 @@ def test_seed_makes_sampling_reproducible(client):
 # ---- stop strings ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stops, pieces, sent", [
-    (["END"], ["ab", "cE", "N", "Dxyz"], ["ab", "c", "", ""]),  # split over three pieces
-    (["aab"], ["a", "a", "a", "b", "c"], ["", "", "a", ""]),  # a false start is released
-    (["xy", "b"], ["a", "bxy"], ["a", ""]),  # the earliest stop string wins
-    (["zz"], ["abc", "z"], ["abc", ""]),  # held back until the stream ends: flush sends it
-])
-def test_stop_matcher(stops, pieces, sent):
-    m, out = StopMatcher(stops), []
-    for piece in pieces:
-        out.append(m.feed(piece))
-        if m.hit:
-            break
-    assert out == sent
-    if stops == ["zz"]:
-        assert not m.hit and m.flush() == "z"
-
-
-def test_stop_string_spanning_a_token_boundary(client, url):
-    base = {"prompt": "def fib(n):", "max_tokens": 40, "temperature": 0}
-    chunks = list(client.completions.create(model=MODEL, stream=True, **base))
-    pieces = [c.choices[0].text for c in chunks if not c.choices[0].finish_reason]
-    assert len(pieces) == 40  # one piece per token, so a piece's index is its token's
+def drafted_pair_stop(loaded, **request) -> tuple:
+    """The request's greedy token events (the server's too, rounds included) and a stop string
+    made of the end of one accepted draft's text and the start of the next one's (so its round
+    goes on past it), found first there: (events, k, stop, at), tokens k and k + 1 making it,
+    the text before it ending at `at`."""
+    with mlx_mtp.Engine(loaded) as engine:  # to see which tokens were drafts
+        events = list(engine.submit(mlx_mtp.Request(**request, draft_tokens=3)))[:-1]
+    pieces = [e.text for e in events]
     text = "".join(pieces)
-    # A stop string made of the end of one token's text and the start of the next, found first there.
-    for k in range(len(pieces) - 1):
+    for k in range(4, len(pieces) - 1):  # past the first rounds
         left, right = pieces[k][-2:], pieces[k + 1][:2]
         at = len("".join(pieces[: k + 1])) - len(left)
-        if left and right and text.find(left + right) == at:
-            break
-    else:
-        pytest.fail(f"no usable token boundary in {pieces}")
-    stop = left + right
+        drafts = events[k].from_draft and events[k + 1].from_draft
+        if drafts and left and right and text.find(left + right) == at:
+            return events, k, left + right, at
+    pytest.fail(f"no usable pair of drafts in {pieces}")
+
+
+def test_a_stop_string_inside_a_draft_round_ends_the_generation(client, url, loaded):
+    base = {"prompt": "def fib(n):", "max_tokens": 40, "temperature": 0, "extra_body": {"draft_tokens": 3}}
+    events, k, stop, at = drafted_pair_stop(loaded, prompt=base["prompt"], max_tokens=40)
+    text = "".join(e.text for e in events)
+    chunks = list(client.completions.create(model=MODEL, stream=True, **base))
+    assert [c.choices[0].text for c in chunks if not c.choices[0].finish_reason] == [e.text for e in events]
     r = client.completions.create(model=MODEL, stop=[stop, "never appears"], **base)
     assert r.choices[0].text == text[:at] and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == k + 2  # up to the token that completed the stop string
-    streamed = [c.choices[0] for c in client.completions.create(model=MODEL, stream=True, stop=stop, **base)]
-    assert "".join(c.text for c in streamed) == text[:at]  # nothing past (or of) the stop string was sent
-    assert streamed[-1].finish_reason == "stop"
-    assert wait_idle(url, 2)  # the rest of the request was cancelled
+    generated = r.model_extra["timings"]["predicted_n"]
+    assert generated <= k + 2 + 2 * 4 < 40  # its round, and the one queued after it at most
+    streamed = list(client.completions.create(model=MODEL, stream=True, stop=stop, **base))
+    assert "".join(c.choices[0].text for c in streamed) == text[:at]  # nothing past (or of) the stop string
+    assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].model_extra["timings"]["predicted_n"] < 40
+    assert wait_idle(url, 2)  # the request ended with its stop string
+
+
+def test_a_stop_sequence_inside_a_draft_round_on_the_anthropic_api(url, loaded):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    events, k, stop, at = drafted_pair_stop(loaded, messages=messages, max_tokens=40)
+    text = "".join(e.text for e in events)
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+    base = dict(model=MODEL, messages=messages, max_tokens=40, extra_body={"draft_tokens": 3, "temperature": 0})
+    before = wait_idle(url, 2)["mlx_mtp:generation_tokens_total"]
+    r = claude.messages.create(stop_sequences=[stop, "never appears"], **base)
+    assert [b.text for b in r.content] == [text[:at]] and r.stop_reason == "stop_sequence" and r.stop_sequence == stop
+    assert r.usage.output_tokens == k + 2
+    generated = wait_idle(url, 2)["mlx_mtp:generation_tokens_total"] - before
+    assert generated <= k + 2 + 2 * 4 < 40  # generation stopped with the stop string
+    with claude.messages.stream(stop_sequences=[stop], **base) as stream:
+        sent = "".join(stream.text_stream)
+        assert sent == text[:at] and stream.get_final_message().stop_sequence == stop
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -3,11 +3,14 @@ sequence itself is checked) against a real server process serving the scripted G
 (tests/scripted.py), MTP on: every reply is known."""
 
 import json
+import time
 
 import anthropic
 import httpx
 import pytest
 from scripted import KEY, STORY, TOOLS, TWO, WEATHER, run_readme_example
+
+from mlx_mtp.server.metrics import parse as parse_metrics
 
 MODEL = "gemma4-scripted"
 PARIS = "What is the weather in Paris right now?"
@@ -133,11 +136,24 @@ def test_malformed_calls_come_back_as_text(client):
     assert blocks(r) == [{"type": "tool_use", "name": "get_time", "input": {"zone": "UTC"}}]
 
 
-def test_stop_sequences_and_max_tokens(client):
+def generated(url: str) -> int:
+    """Tokens the server's engine has generated, once nothing runs (its counters are then current)."""
+    while True:
+        m = parse_metrics(httpx.get(url + "/metrics").text)
+        if m["mlx_mtp:num_requests_running"] == 0:
+            return m["mlx_mtp:generation_tokens_total"]
+        time.sleep(0.02)
+
+
+def test_stop_sequences_and_max_tokens(client, scripted_server):
     story = "Tell me a short story about a robot."
+    before = generated(scripted_server)
     r = ask(client, story, stop_sequences=["lighthouse", "never"])
     assert blocks(r) == [{"type": "text", "text": STORY[: STORY.index("lighthouse")]}]
     assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", "lighthouse")
+    # one token a character: up to the one completing the stop string; generation stopped there
+    assert r.usage.output_tokens == STORY.index("lighthouse") + len("lighthouse")
+    assert generated(scripted_server) - before <= r.usage.output_tokens + 2 * 4 < len(STORY)
     final, _ = streamed(client, messages=[{"role": "user", "content": story}], stop_sequences=["lighthouse"])
     assert blocks(final) == blocks(r) and final.stop_sequence == "lighthouse"
     sampling = {"temperature": 1.0, "top_p": 0.9, "top_k": 40}  # older clients send them (this one cannot)

@@ -10,10 +10,18 @@ SentencePiece tokenizer and a Gemma-4-style chat template. Made by `apps/demo_pa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 DEMO_DIR = Path(__file__).resolve().parent
 TARGET_DIR = DEMO_DIR / "target"
 DRAFTER_DIR = DEMO_DIR / "drafter"
+
+
+def pair() -> Optional[tuple[Path, Optional[Path]]]:
+    """(target dir, drafter dir or None) of the shipped pair; None when its target is missing."""
+    if not TARGET_DIR.is_dir():
+        return None
+    return TARGET_DIR, DRAFTER_DIR if DRAFTER_DIR.is_dir() else None
 
 
 def available() -> bool:

@@ -15,7 +15,6 @@ sessions (as with `CLAUDE_CODE_ATTRIBUTION_HEADER=0`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
@@ -23,29 +22,17 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import chat_format
 from ..chat_format import Delta
-from ..engine import Request
-from ..generate import ContextLengthError
 from ..grammar import Grammar
-from .common import (APIError, Outcome, ServedModel, check_model, checked, draft_tokens, flag, forced_calls, integer,
-                     invalid, json_grammar, mapping, sampling, strings, structured, typed, unsupported)
+from ..requests import ContextLengthError, Request
+from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
+                     forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
+                     unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 529: "overloaded_error"}
 BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE | re.IGNORECASE)
 BLOCK_TYPES = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One parsed request: what the engine runs and how the answer is shaped."""
-
-    request: Request
-    stop: tuple
-    stream: bool
-    model: str
-    id: str
-    parallel_tool_calls: bool = True
 
 
 def error_body(error: APIError) -> dict:
@@ -74,10 +61,10 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
         continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
         max_tokens=max_tokens or model.context, fit_max_tokens=not count, sampling=sampling(body, temperature_high=1.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
-        grammar=structured(body, _output_format(body), forced),
+        grammar=structured(body, _output_format(body), forced), stop=strings(body, "stop_sequences"),
+        parallel_tool_calls=parallel,
     )
-    return Job(request, strings(body, "stop_sequences"), flag(body, "stream", False), model.id,
-               f"msg_{uuid.uuid4().hex[:24]}", parallel)
+    return Job(request, flag(body, "stream", False), model.id, f"msg_{uuid.uuid4().hex[:24]}")
 
 
 def _check_ignored(body: dict) -> None:

@@ -2,13 +2,14 @@
 
 No MLX call runs here; the Engine's worker thread owns them all. A handle's events arrive on
 a blocking queue, so each request gets a reader thread that passes them to the event loop
-(`EventStream`). Whatever way a request ends early (a stop string, a client that went away,
-an error), its handle is cancelled, which frees its engine row within one round.
+(`EventStream`). Whatever way a request ends early (a client that went away, an error), its
+handle is cancelled, which frees its engine row within one round; a stop string ends it in the
+engine itself, which applies what a request means (`Request.stop`, `parallel_tool_calls`).
 
 Each API is a wire format of its own (`protocol` for OpenAI, `anthropic`): a parsed job, an
-`answer` and a `stream` of its reply's pieces (`pieces`: content cut at stop strings, reasoning,
-tool calls, and `KEEPALIVE` while nothing comes), and its error shapes; the plumbing here is
-shared. A stream opens once its first event comes or `OPEN_AFTER` seconds pass, whichever is
+`answer` and a `stream` of its reply's pieces (`pieces`: content, reasoning and tool calls as
+the engine streamed them, and `KEEPALIVE` while nothing comes), and its error shapes; the
+plumbing here is shared. A stream opens once its first event comes or `OPEN_AFTER` seconds pass, whichever is
 first: a long prefill keeps the client informed instead of silent.
 """
 
@@ -31,10 +32,9 @@ from starlette.routing import Route
 
 from .. import chat_format
 from ..chat_format import Delta
-from ..engine import Engine, QueueFull, RequestHandle
-from ..generate import ContextLengthError
+from ..requests import ContextLengthError, QueueFull, RequestHandle
 from . import anthropic, protocol
-from .common import KEEPALIVE, APIError, Outcome, ServedModel, StopMatcher, invalid
+from .common import KEEPALIVE, APIError, Outcome, ServedModel, invalid
 from .metrics import render as render_metrics
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,9 @@ class Settings:
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
-def create_app(engine: Engine, settings: Settings) -> Starlette:
-    """The OpenAI- and Anthropic-compatible app serving `engine` (which the caller starts and closes)."""
+def create_app(engine, settings: Settings) -> Starlette:
+    """The OpenAI- and Anthropic-compatible app serving `engine` (an `Engine`, which the caller
+    starts and closes)."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -299,65 +300,33 @@ class EventStream:
 
 async def pieces(job, events: EventStream, outcome: Outcome, wire: Wire,
                  keepalive: Optional[float] = None) -> AsyncIterator[Delta]:
-    """The reply piece by piece (`chat_format.Delta`s): content cut at the first stop string,
-    reasoning, and tool calls (only the first one when `job.parallel_tool_calls` is false);
+    """The reply piece by piece (`chat_format.Delta`s: content, reasoning, tool calls), as the
+    engine streamed them (cut at a stop string, one tool call where parallel calls are off);
     `KEEPALIVE` after each `keepalive` seconds with nothing to send.
 
-    `outcome.completion_tokens` counts the tokens whose text was read (the one completing a
-    stop string included); `outcome.stats` is the engine's account, which after a stop may
-    include the rest of its round.
+    `outcome.completion_tokens` counts the tokens streamed (the one completing a stop string
+    included); `outcome.stats` is the engine's account.
     """
-    matcher = StopMatcher(job.stop)
     while True:
         event = await events.next(keepalive)
         if event is None:
             yield KEEPALIVE
             continue
-        if event.kind == "token":
-            outcome.completion_tokens += 1
-            if outcome.logprobs is not None and event.logprob is not None:
-                outcome.logprobs.append(event.logprob)
-            for part in _cut(event.parts, matcher):
-                if part.kind == "tool_call":
-                    if outcome.tool_calls and not job.parallel_tool_calls:
-                        continue
-                    outcome.tool_calls += 1
-                yield part
-            if matcher.hit:
-                events.close()
-                while (event := await events.next()).kind == "token":
-                    pass
-                outcome.finish_reason, outcome.stop_sequence = "stop", matcher.hit
-                break
-            continue
-        if event.kind == "error":
-            if not (isinstance(event.error, ContextLengthError) and outcome.completion_tokens):
-                raise engine_error(event.error, job, wire)
-            outcome.finish_reason = "length"  # the answer reached the end of the model's context
-        else:
-            outcome.finish_reason = event.finish_reason
-        if rest := matcher.flush():
-            yield Delta("content", rest)
-        break
-    outcome.stats = event.stats if event.kind == "done" else None
-
-
-def _cut(parts, matcher: StopMatcher) -> list:
-    """`parts` with their content passed through the stop matcher (a stop string is looked for
-    in the content only; held-back content goes out before a part of another kind)."""
-    out = []
-    for part in parts:
-        if part.kind == "content":
-            text = matcher.feed(part.text)
-            if text:
-                out.append(Delta("content", text))
-            if matcher.hit:
-                break
-            continue
-        if rest := matcher.flush():
-            out.append(Delta("content", rest))
-        out.append(part)
-    return out
+        if event.kind != "token":
+            break
+        outcome.completion_tokens += 1
+        if outcome.logprobs is not None and event.logprob is not None:
+            outcome.logprobs.append(event.logprob)
+        for part in event.parts:
+            outcome.tool_calls += part.kind == "tool_call"
+            yield part
+    if event.kind == "error":
+        if not (isinstance(event.error, ContextLengthError) and outcome.completion_tokens):
+            raise engine_error(event.error, job, wire)
+        outcome.finish_reason = "length"  # the answer reached the end of the model's context
+    else:
+        outcome.finish_reason, outcome.stop_sequence = event.finish_reason, event.stop_sequence
+        outcome.stats = event.stats
 
 
 async def _streamed(frames: AsyncIterator[str], events: EventStream, watcher: asyncio.Task) -> AsyncIterator[str]:

@@ -11,7 +11,7 @@ DEMO_ID = "mlx-mtp-demo"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ..chat import draft_tokens
+    from ..cli import draft_tokens
     from .app import KEEPALIVE_EVERY, MAX_BODY_BYTES
 
     ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
@@ -67,7 +67,7 @@ def load_model(args):
     """The model to serve and the id clients name it by."""
     import mlx.core as mx
 
-    from ..chat import demo_pair
+    from ..cli import demo_pair
     from ..loading import load
 
     model, drafter, dtype, name = args.model, args.drafter, args.dtype, args.model
@@ -81,6 +81,8 @@ def load_model(args):
 
 
 def main(argv=None) -> int:
+    from ..cli import error_line
+
     args = parse_args(argv)
     if args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host}, reachable from other machines"
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     try:
         loaded, model_id = load_model(args)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     return serve(loaded, model_id, args)
 

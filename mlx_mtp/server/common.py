@@ -1,18 +1,19 @@
-"""What the wire formats share: the error that becomes an HTTP error, the served model, checks of
-request fields (structured output among them), stop strings, and how a request ended. Plain
-Python, no MLX and no HTTP."""
+"""What the wire formats share: the error that becomes an HTTP error, the served model, a parsed
+request (`Job`), checks of request fields (structured output among them), and how a request
+ended. Plain Python, no MLX and no HTTP: the engine's types come from `requests`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from ..chat_format import Delta
 from ..grammar import Grammar
+from ..requests import Request
 from ..sample import SamplingParams
+from ..speculative import K_MAX
 from ..stats import Stats
 
-MAX_DRAFT_TOKENS = 16
 KEEPALIVE = Delta("keepalive")  # a stream's piece that says "still working": a ping, an SSE comment
 
 
@@ -36,6 +37,17 @@ def invalid(param: Optional[str], message: str, code: Optional[str] = "invalid_v
 
 def unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One parsed request of either API: what the engine runs (the `Request`, with its stop
+    strings and tool-call rule) and what shapes the answer (each API adds its own fields)."""
+
+    request: Request
+    stream: bool
+    model: str
+    id: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +115,11 @@ def json_grammar(schema: Any, param: str) -> Grammar:
 class Outcome:
     """How a request ended: filled in while its reply is read."""
 
-    finish_reason: Optional[str] = None  # the engine's "stop" / "length" / "dead_end", or "stop" at a stop string
+    finish_reason: Optional[str] = None  # the engine's "stop" (a stop token or string) / "length" / "dead_end"
     stop_sequence: Optional[str] = None  # the stop string that ended it
     tool_calls: int = 0
     prompt_tokens: int = 0
-    completion_tokens: int = 0  # the tokens behind what was sent (the one completing a stop string included)
+    completion_tokens: int = 0  # the tokens streamed (the one completing a stop string included)
     stats: Optional[Stats] = None  # the engine's account, once the request is done
     logprobs: Optional[list] = None  # `engine.TokenLogprob` of each token read, when the request asked
     logprobs_sent: int = 0
@@ -158,9 +170,9 @@ def draft_tokens(body: dict, default):
     value = body.get("draft_tokens")
     if value is None:
         return default
-    if value == "auto" or (type(value) is int and 0 <= value <= MAX_DRAFT_TOKENS):
+    if value == "auto" or (type(value) is int and 0 <= value <= K_MAX):
         return value
-    raise invalid("draft_tokens", f"`draft_tokens` must be \"auto\" or an integer in [0, {MAX_DRAFT_TOKENS}]")
+    raise invalid("draft_tokens", f"`draft_tokens` must be \"auto\" or an integer in [0, {K_MAX}]")
 
 
 def strings(body: dict, name: str) -> tuple:
@@ -223,44 +235,3 @@ def checked(param: str, check, *args) -> None:
         check(*args)
     except ValueError as e:
         raise invalid(param, str(e)) from None
-
-
-# ---- stop strings --------------------------------------------------------------------------------
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string. A tail that could still grow into a stop
-    string is held back, so text past a stop string is never sent, even when the string is
-    split across tokens."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.pending = ""
-        self.hit: Optional[str] = None  # the stop string found
-
-    def feed(self, text: str) -> str:
-        """Add streamed text; returns what is safe to send now (`hit` is set at a stop string)."""
-        self.pending += text
-        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if found:
-            at, self.hit = min(found)
-            out, self.pending = self.pending[:at], ""
-            return out
-        safe = len(self.pending) - self._partial()
-        out, self.pending = self.pending[:safe], self.pending[safe:]
-        return out
-
-    def flush(self) -> str:
-        """The held-back text, once the stream ended (or paused) without completing a stop string."""
-        out, self.pending = self.pending, ""
-        return out
-
-    def _partial(self) -> int:
-        """Length of the longest tail of `pending` that starts some stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:n]):
-                    best = n
-                    break
-        return best

@@ -19,17 +19,16 @@ from typing import Any, AsyncIterator, Optional
 
 from .. import chat_format
 from ..chat_format import Delta, Reply, ToolCall
-from ..engine import Request, TokenLogprob
 from ..grammar import Grammar
 from ..processors import MAX_LOGPROBS, Penalties
+from ..requests import ContextLengthError, Request, TokenLogprob
 from ..stats import Stats
-from ..generate import ContextLengthError
-from .common import (APIError, Outcome, ServedModel, StopMatcher, check_model, checked, draft_tokens, flag,
-                     forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings, structured,
-                     typed, unsupported)
+from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
+                     forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings,
+                     structured, typed, unsupported)
 
-__all__ = ["APIError", "Job", "ServedModel", "StopMatcher", "check_model", "invalid", "parse_chat",
-           "parse_completion", "response", "stream"]
+__all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "parse_chat", "parse_completion",
+           "response", "stream"]
 
 # OpenAI's newer "developer" role is the system message of older models.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -38,18 +37,12 @@ UNSUPPORTED = ("n", "best_of", "echo", "suffix", "functions", "function_call")
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """One parsed request: what the engine runs and how the answer is shaped."""
+class OpenAIJob(Job):
+    """A parsed OpenAI request (`common.Job`) and what shapes its answer."""
 
-    object: str  # "chat.completion" or "text_completion"
-    request: Request
-    stop: tuple
-    stream: bool
-    include_usage: bool
-    model: str
-    id: str = ""
+    object: str = "chat.completion"  # or "text_completion"
+    include_usage: bool = False
     created: int = 0
-    parallel_tool_calls: bool = True
 
     @property
     def chat(self) -> bool:
@@ -59,7 +52,7 @@ class Job:
 # ---- requests ----------------------------------------------------------------------------------
 
 
-def parse_chat(body: Any, model: ServedModel) -> Job:
+def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/chat/completions: `messages` (and `tools`) are rendered with the model's chat
     template by the engine."""
     body = _object(body)
@@ -73,13 +66,14 @@ def parse_chat(body: Any, model: ServedModel) -> Job:
                 chat_template_kwargs=options or None)
 
 
-def parse_completion(body: Any, model: ServedModel) -> Job:
+def parse_completion(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/completions: `prompt` is text or token ids, continued as they are."""
     body = _object(body)
     return _job(body, "text_completion", model, prompt=_prompt(body.get("prompt"), model.vocab_size))
 
 
-def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = None, **prompt) -> Job:
+def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = None,
+         **prompt) -> OpenAIJob:
     check_model(body.get("model"), model)
     for name in UNSUPPORTED:
         if not _is_default(name, body.get(name)):
@@ -97,12 +91,13 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
         **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, 2.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
         penalties=_penalties(body, model.vocab_size), grammar=structured(body, _response_format(body), forced),
-        logprobs=_logprobs(body, kind),
+        logprobs=_logprobs(body, kind), stop=strings(body, "stop"),
+        parallel_tool_calls=flag(body, "parallel_tool_calls", True),
     )
     prefix = "chatcmpl-" if kind == "chat.completion" else "cmpl-"
     include_usage = stream and flag(options, "include_usage", False)
-    return Job(kind, request, strings(body, "stop"), stream, include_usage, model.id, prefix + uuid.uuid4().hex[:24],
-               int(time.time()), flag(body, "parallel_tool_calls", True))
+    job_id = prefix + uuid.uuid4().hex[:24]
+    return OpenAIJob(request, stream, model.id, job_id, kind, include_usage, int(time.time()))
 
 
 def _object(body: Any) -> dict:
@@ -307,7 +302,7 @@ def finish_detail(outcome: Outcome) -> dict:
     return {"finish_detail": "dead_end"} if outcome.dead_end else {}
 
 
-def context_error(error: ContextLengthError, job: Job) -> APIError:
+def context_error(error: ContextLengthError, job: OpenAIJob) -> APIError:
     """OpenAI's words for a prompt that does not fit (its `context_length_exceeded`)."""
     what = "messages" if job.chat else "prompt"
     message = str(error) if error.context is None else (
@@ -316,7 +311,7 @@ def context_error(error: ContextLengthError, job: Job) -> APIError:
     return APIError(400, message, param=what, code="context_length_exceeded")
 
 
-def response(job: Job, parts: list, outcome: Outcome) -> dict:
+def response(job: OpenAIJob, parts: list, outcome: Outcome) -> dict:
     reply = Reply()
     reply.add(parts)
     if job.chat:
@@ -339,7 +334,7 @@ def _tool_call(call: ToolCall, index: bool = False) -> dict:
     return {"index": call.index, **out} if index else out
 
 
-def logprobs(job: Job, outcome: Outcome) -> Optional[dict]:
+def logprobs(job: OpenAIJob, outcome: Outcome) -> Optional[dict]:
     """The log-probabilities of the tokens read since the last call, in the endpoint's shape:
     chat's `{"content": [...]}`, completions' parallel lists; None when there are none."""
     start = outcome.logprobs_sent
@@ -358,7 +353,7 @@ def _logprob(entry: TokenLogprob) -> dict:
     return {"token": entry.text, "logprob": entry.logprob, "bytes": list(entry.bytes)}
 
 
-def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] = None, first: bool = False,
+def chunk(job: OpenAIJob, part: Optional[Delta] = None, finish_reason: Optional[str] = None, first: bool = False,
           logprobs: Optional[dict] = None, detail: Optional[dict] = None, **extra) -> dict:
     """One streamed piece; a chat stream's first chunk carries the role."""
     if not job.chat:
@@ -377,13 +372,13 @@ def chunk(job: Job, part: Optional[Delta] = None, finish_reason: Optional[str] =
     return {**_head(job, "chat.completion.chunk"), "choices": [choice], **extra}
 
 
-def usage_chunk(job: Job, outcome: Outcome) -> dict:
+def usage_chunk(job: OpenAIJob, outcome: Outcome) -> dict:
     """The extra last chunk that `stream_options.include_usage` asks for."""
     return {**_head(job, "chat.completion.chunk" if job.chat else "text_completion"), "choices": [],
             "usage": usage(outcome)}
 
 
-async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> AsyncIterator[str]:
+async def stream(job: OpenAIJob, parts: AsyncIterator[Delta], outcome: Outcome) -> AsyncIterator[str]:
     """Server-sent events as OpenAI streams them, ending with `data: [DONE]`; an SSE comment
     keeps the connection alive while nothing comes (a long prefill)."""
     if job.chat:
@@ -404,7 +399,7 @@ async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> Asy
     yield "data: [DONE]\n\n"
 
 
-def _head(job: Job, kind: str) -> dict:
+def _head(job: OpenAIJob, kind: str) -> dict:
     return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
 
 
