@@ -81,7 +81,9 @@ class Engine:
         loaded: a `load()`ed model (with a drafter for MTP).
         max_batch: rows generated together; more requests wait (first in, first out).
         max_queue: waiting requests beyond which `submit` raises `QueueFull` (None: no limit).
-        prefill_chunk: prompt tokens processed per round.
+        prefill_chunk: the grid prompts are cut on (one chunk per forward for a prompt).
+        prefill_tokens: prompt tokens of every queued prompt together that one round prefills, in
+            one forward (default: one chunk; 1: one prompt at a time).
         memory_limit: bytes the batch's KV cache and the prefix cache may take together (default:
             `self.memory.kv_limit`, half of what the weights leave of the device's memory; see
             `mlx_mtp.memory`); the prefix cache gives way to rows.
@@ -103,7 +105,7 @@ class Engine:
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
                  memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto",
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir=None,
-                 prompt_cache_disk_bytes: Optional[int] = None):
+                 prompt_cache_disk_bytes: Optional[int] = None, prefill_tokens: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
@@ -121,7 +123,7 @@ class Engine:
         if prompt_cache_dir is not None:
             os.makedirs(prompt_cache_dir, exist_ok=True)  # a bad path fails here, on the caller's thread
         self.prompt_cache_dir, self.prompt_cache_disk_bytes = prompt_cache_dir, prompt_cache_disk_bytes
-        self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk)
+        self._options = dict(draft_tokens=draft_tokens, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

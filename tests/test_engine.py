@@ -227,3 +227,16 @@ def test_generate_on_a_plain_thread_in_a_fresh_process():
     """)
     out = run_fresh(code)
     assert out.returncode == 0 and out.stdout.strip() == "12", out.stderr[-2000:]
+
+
+def test_the_prefill_budget_reaches_the_driver_and_changes_no_output(loaded):
+    """`prefill_tokens` (`--prefill-tokens`): one prompt per prefill forward, or several; the same
+    replies, greedy, with MTP."""
+    prompts = [[5 + i, 9, 13 + i, 7] * (3 + 4 * i) for i in range(4)]  # 12-60 tokens, arriving together
+    replies = []
+    for budget in (1, None, 4096):
+        with Engine(loaded, prefill_tokens=budget) as engine:
+            handles = [engine.submit(Request(prompt=p, max_tokens=10)) for p in prompts]
+            replies.append([tokens_of(h) for h in handles])
+            assert engine._gen.prefill.budget == (budget or 512)
+    assert replies[0] == replies[1] == replies[2]

@@ -11,7 +11,7 @@ DEMO_ID = "mlx-mtp-demo"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ..cli import draft_tokens
+    from ..cli import draft_tokens, positive_int
     from .app import KEEPALIVE_EVERY, MAX_BODY_BYTES
 
     ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
@@ -27,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
+    ap.add_argument("--prefill-tokens", type=positive_int, metavar="N",
+                    help="prompt tokens of all queued requests prefilled together in one forward per round "
+                         "(default: one 512-token chunk; 1: one prompt at a time)")
     ap.add_argument("--api-key", help="require the key on /v1/ endpoints (`Authorization: Bearer KEY` or "
                     "`x-api-key: KEY`)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
@@ -112,7 +115,7 @@ def serve(loaded, model_id: str, args) -> int:
         disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
         with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
                     prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
-                    prompt_cache_disk_bytes=disk) as engine:
+                    prompt_cache_disk_bytes=disk, prefill_tokens=args.prefill_tokens) as engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
             print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
             where = args.prompt_cache_dir
