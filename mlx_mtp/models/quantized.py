@@ -246,20 +246,22 @@ class Linear(nn.Linear):
     round a row differently with the number of rows in the product (MKL does, at any size)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        sizes = ragged_sizes(x.shape[0]) if x.ndim == 2 else None
-        if sizes is None or len(sizes) == 1:
-            return super().__call__(x)
-        return _by_sequence(lambda part, n: nn.Linear.__call__(self, part), sizes, x)
+        return _per_sequence(super().__call__, x)
 
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose `as_linear` (a tied head) takes each sequence's rows apart, as `Linear`."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        sizes = ragged_sizes(x.shape[0]) if x.ndim == 2 else None
-        if sizes is None or len(sizes) == 1:
-            return super().as_linear(x)
-        return _by_sequence(lambda part, n: nn.Embedding.as_linear(self, part), sizes, x)
+        return _per_sequence(super().as_linear, x)
+
+
+def _per_sequence(product, x: mx.array) -> mx.array:
+    """`product(x)`, taken a sequence's rows at a time when `x` holds a ragged forward's rows."""
+    sizes = ragged_sizes(x.shape[0]) if x.ndim == 2 else None
+    if sizes is None or len(sizes) == 1:
+        return product(x)
+    return _by_sequence(lambda part, n: product(part), sizes, x)
 
 
 class QuantizedLinear(nn.QuantizedLinear):
