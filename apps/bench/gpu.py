@@ -33,8 +33,8 @@ from mlx_mtp.memory import BACKENDS, Device, nbytes
 from mlx_mtp.models import gemma4
 
 from . import inmemory, peers
-from .env import median
-from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens
+from .env import median, time_fn
+from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, first_token
 from .pairs import ROOT
 from .realsize import expert_unions
 from .realsize import sources as real_sources
@@ -42,7 +42,6 @@ from .report import table
 
 GiB = 2**30
 BITS = 4
-RESULTS = ROOT / "apps" / "results" / "gpu"
 TINY = {"tiny-dense": "dense", "tiny-moe": "moe", "tiny-e2b": "e2b"}  # --smoke: stand-ins for the real three
 
 
@@ -82,24 +81,9 @@ def bandwidth(size: int, repeats: int = 5) -> dict:
     """Device memory bandwidth: a large float32 buffer read and written once (`a + 1`)."""
     a = mx.random.uniform(shape=(size // 4,))
     mx.eval(a)
-    times = []
-    for r in range(repeats + 2):
-        start = time.perf_counter()
-        mx.eval(a + 1.0)
-        if r >= 2:  # two warm-ups: the kernel's first build, the output buffer's first allocation
-            times.append(time.perf_counter() - start)
-    seconds = median(times)
+    # two warm-ups: the kernel's first build, the output buffer's first allocation
+    seconds = time_fn(lambda: mx.eval(a + 1.0), repeats, warmup=2)
     return dict(buffer_bytes=size, seconds=seconds, bytes_per_s=2 * size / seconds)
-
-
-def first_token(target, prompt: list) -> float:
-    """Seconds from inserting a prompt to its first token (one row)."""
-    gen = JoinTogether(target)
-    uid = gen.insert(prompt, max_tokens=1)
-    start = time.perf_counter()
-    while not any(e.tokens for e in gen.step() if e.uid == uid):
-        pass
-    return time.perf_counter() - start
 
 
 def plain_run(target, prompts: list, n: int) -> dict:

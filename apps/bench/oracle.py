@@ -95,6 +95,18 @@ class _Drain(Prefill):
         return ran, joined
 
 
+def first_token(target, prompt: list) -> float:
+    """Seconds from inserting a prompt into a fresh generator to its first token (one row)."""
+    gen = JoinTogether(target)
+    uid = gen.insert(prompt, max_tokens=1)
+    start = time.perf_counter()
+    while not any(e.tokens for e in gen.step() if e.uid == uid):
+        pass
+    seconds = time.perf_counter() - start
+    gen.remove(uid)
+    return seconds
+
+
 def prefilled(target, prompts: list) -> PrefixCache:
     """A prefix cache holding the state after each prompt but its last token (pinned: with a
     budget of 0 it keeps nothing else, so the runs leave nothing behind)."""

@@ -37,7 +37,7 @@ from mlx_mtp.speculative import MAX_ROLLBACK
 from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
 from .env import median, reset_peak_rss, rss_gib, time_fn
 from .experts import uniform_union
-from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens
+from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, first_token
 from .report import fmt, table
 
 SHAPES = (*TARGETS, "tiny")
@@ -136,14 +136,7 @@ def measure_prefill(target, lengths: list, rng, log) -> dict:
     """Seconds to the first token of a `length`-token prompt, one row (the driver's chunks)."""
     out = {}
     for n in lengths:
-        prompt = rng.integers(4, target.vocab_size, n).tolist()
-        gen = JoinTogether(target)
-        uid = gen.insert(prompt, max_tokens=1)
-        started = time.perf_counter()
-        while not any(e.tokens for e in gen.step() if e.uid == uid):
-            pass
-        seconds = time.perf_counter() - started
-        gen.remove(uid)
+        seconds = first_token(target, rng.integers(4, target.vocab_size, n).tolist())
         out[n] = figure(seconds=seconds, tok_s=n / seconds)
         log(f"prefill {n} tokens: {seconds:.1f} s ({n / seconds:.2f} tok/s, {_at(out[n])})")
     return out
