@@ -11,9 +11,12 @@ from mlx_mtp import selftest, speculative
 from mlx_mtp.tiny import VARIANTS
 
 
+PAIRS = ["demo", *VARIANTS, "moe-q4"]
+
+
 def rows(text: str) -> dict[str, list[str]]:
     """The report's table: pair name -> its other columns."""
-    names = {"demo", *VARIANTS}
+    names = set(PAIRS)
     cells = [line.split() for line in text.splitlines()]
     return {c[0]: c[1:] for c in cells if c and c[0] in names}
 
@@ -25,9 +28,10 @@ def test_selftest_passes_in_a_fresh_process():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("mlx_mtp ") and lines[1].startswith("device:")
     assert lines[3].startswith("wired:")
-    assert lines[-1].startswith("PASS: 4 pairs")
+    assert lines[-1].startswith("PASS: 5 pairs")
+    assert lines[2].endswith("products: MLX's; reference: the CPU stream, unfused")
     table = rows(out.stdout)
-    assert sorted(table) == sorted(["demo", *VARIANTS])
+    assert sorted(table) == sorted(PAIRS)
     for name, columns in table.items():
         assert columns[1:4] == ["ok", "ok", "ok"], name  # logits, B=1, batch
         assert float(columns[6]) > 0 and float(columns[8]) > 0  # plain and MTP tok/s
@@ -69,6 +73,21 @@ def test_selftest_fails_when_a_rejected_draft_is_accepted(monkeypatch):
     assert not passed
     assert "e2b: greedy MTP differs from plain decoding, or plain from itself (one row)" in text
     assert "e2b: greedy MTP differs from plain decoding in a ragged batch" in text
+
+
+def test_on_cuda_the_report_names_the_kernels_that_ran(monkeypatch):
+    from mlx_mtp.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "cuda", lambda: True)
+    dispatch.decisions.clear()
+    assert selftest.ran() == []
+    dispatch.decisions[("quantized matmul", dispatch.OURS)] += 3
+    dispatch.decisions[("quantized matmul", "MLX's (600 rows)")] += 1
+    assert selftest.ran() == ["ran:     quantized matmul: MLX's (600 rows) x1, mlx_mtp x3"]
+    assert selftest.products("cuda").startswith("mlx_mtp's CUDA kernels for decode and verify steps")
+    with dispatch.using("mlx"):
+        assert selftest.products("cuda") == "MLX's (MLX_MTP_KERNELS=mlx)"
+    dispatch.decisions.clear()
 
 
 def test_unknown_pair_is_a_usage_error(capsys):

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize,gpu,prefill} [options]`
+structured,mixed,realsize,gpu,kernels,prefill} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -27,6 +27,7 @@ MODES = {
     "structured": ("structured", "run_structured"),
     "realsize": ("realsize", "run_realsize"),
     "gpu": ("gpu", "run_gpu"),
+    "kernels": ("kernels", "run_kernels"),
     "prefill": ("prefill", "run_prefill"),
 }
 
@@ -240,9 +241,21 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--p", type=float, default=0.8, help="oracle: probability that a draft is right")
     u.add_argument("--seed", type=int, default=0, help="prompts")
     u.add_argument("--no-peers", action="store_true", help="skip mlx-lm and mlx-vlm")
+    u.add_argument("--prefill", default=None, help="prompt lengths timed to the first token (comma list; "
+                                                  "default 1024,8192, with --smoke 32,96; empty: none)")
+    u.add_argument("--kernels", choices=("auto", "mlx"), default=None,
+                   help="mlx: MLX's kernels everywhere (MLX_MTP_KERNELS=mlx); auto: mlx_mtp's on CUDA")
     u.add_argument("--no-demo", action="store_true", help="skip the demo pair")
     u.add_argument("--results-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "gpu"),
                    help="where a GPU run's JSON goes (<card>-<date>.json)")
+
+    n = sub.add_parser("kernels", help="mlx_mtp's CUDA kernels against MLX's at the released shapes: time, "
+                                       "bandwidth, error, row-invariance (issue 34)")
+    common(n, "kernels")
+    n.add_argument("--shapes", default="31b,26b-a4b", help="comma list of 31b, 26b-a4b, e4b")
+    n.add_argument("--quick", action="store_true", help="fewer row counts")
+    n.add_argument("--smoke", action="store_true", help="tiny shapes (wherever the kernels run)")
+    n.set_defaults(repeats=5)
 
     f = sub.add_parser("prefill", help="requests arriving together: their prompts prefilled one at a time vs "
                                        "several to a forward; TTFT p50/p95 and total (issue 31)")

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_mtp import kernels
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.memory import BACKENDS, Device, nbytes
 from mlx_mtp.models import gemma4
@@ -165,7 +166,7 @@ def bench_shape(shape: str, sizes: Sizes, args, copy_rate: float, log) -> dict:
     ids = lambda n: rng.integers(4, target.vocab_size, n).tolist()  # noqa: E731
     out["first_token_after_load_s"] = first_token(target, ids(sizes.first_prompt))
     out["prefill"] = {}
-    for n in sizes.prefill:
+    for n in prefill_lengths(args, sizes):
         seconds = first_token(target, ids(n))
         out["prefill"][n] = dict(seconds=seconds, tok_s=n / seconds)
         log(f"  prefill {n}: {n / seconds:.0f} tok/s")
@@ -235,18 +236,33 @@ def card() -> str:
     return mx.device_info().get("device_name", str(mx.default_device()))
 
 
+def prefill_lengths(args, sizes: Sizes) -> tuple:
+    chosen = getattr(args, "prefill", None)
+    return sizes.prefill if chosen is None else tuple(int(n) for n in chosen.split(",") if n)
+
+
 def run_gpu(args, log=print) -> dict:
+    with kernels.using(getattr(args, "kernels", None)):
+        return _run_gpu(args, log)
+
+
+def _run_gpu(args, log) -> dict:
     sizes = SMOKE if args.smoke else REAL
     shapes = tuple(s for s in args.shapes.split(",") if s) if args.shapes else sizes.shapes
     device = Device.current()
     started = time.perf_counter()
     res = dict(mode="gpu", smoke=args.smoke, card=card(), backend=BACKENDS[device.backend],
-               mlx=mx.__version__, p=args.p, bits=BITS, sizes=sizes.__dict__, shapes={},
+               mlx=mx.__version__, p=args.p, bits=BITS, sizes=sizes.__dict__, shapes={}, kernels=kernels.mode(),
                bandwidth=bandwidth(sizes.copy_bytes))
     log(f"{res['card']}, MLX {res['backend']} backend: "
         f"copy bandwidth {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s")
     for shape in shapes:
+        kernels.dispatch.decisions.clear()
         res["shapes"][shape] = bench_shape(shape, sizes, args, res["bandwidth"]["bytes_per_s"], log)
+        res["shapes"][shape]["kernels_ran"] = kernels.dispatch.summary()
+        log(f"  kernels: {res['shapes'][shape]['kernels_ran'] or 'MLX only'}")
+        if device.gpu and not args.smoke:
+            save(res, args)  # what is measured so far survives a run cut short
         gc.collect()
         mx.clear_cache()
     if not args.no_demo:
@@ -317,6 +333,11 @@ def gpu_md(res: dict) -> str:
            f"roofline = bytes a decode step reads / that bandwidth / the measured step. Whole run "
            f"{res['seconds']:.0f} s." + (f" JSON: `{res['saved']}`." if res.get("saved") else ""), "",
            table(["figure", *res["shapes"]], shape_rows(res["shapes"])), ""]
+    ran = [f"- {shape}: {r['kernels_ran']}" for shape, r in res["shapes"].items() if r.get("kernels_ran")]
+    if ran:
+        out += [f"Kernels (`--kernels {res.get('kernels', 'auto')}`), per family, with the products that took "
+                "them:", "",
+                *ran, ""]
     errors = [f"- {shape}: {r['peers'][key]}" for shape, r in res["shapes"].items()
               for key in ("mlx_lm_error", "mlx_vlm_error") if r.get("peers", {}).get(key)]
     if errors:

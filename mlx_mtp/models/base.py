@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequ
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import KVCache, SharedKV, Step
 from ..jit import Bounded
 
@@ -215,7 +216,8 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
-    CPU streams quantized work is spread over are part of the key. Compiled functions are per
+    CPU streams quantized work is spread over, and whether mlx_mtp's GPU kernels are on, are part of
+    the key. Compiled functions are per
     module object and per thread (MLX keeps traces per thread), their traces bounded in number
     (`jit.Bounded`).
     """
@@ -229,7 +231,7 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, (fused_kernels(), cpu_stream_count()), *args)
+        return fn(self, (fused_kernels(), cpu_stream_count(), kernels.mode()), *args)
 
     return call
 

@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .. import kernels
 from ..cache import FULL, SLIDING, KVCache, Ragged, Step
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
@@ -291,10 +292,12 @@ class Attention(nn.Module):
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:
     """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T).
-    GPUs run `mx.fast`'s kernel; elsewhere (where that kernel is split into many ops) the heads
-    sharing a K/V head attend as one matrix, with no broadcast copies of the K/V."""
+    GPUs run `mx.fast`'s kernel (or, on NVIDIA GPUs, decode and verify steps mlx_mtp's: `kernels`);
+    elsewhere (where that kernel is split into many ops) the heads sharing a K/V head attend as one
+    matrix, with no broadcast copies of the K/V."""
     if fused_kernels():
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+        out = kernels.attention(q, keys, values, mask)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
     B, n, L, D = q.shape
     n_kv, T = keys.shape[1], keys.shape[2]
     rows = n // n_kv * L
@@ -344,6 +347,8 @@ class Router(nn.Module):
 
 class GeGLU(nn.Module):
     """SwitchGLU's activation slot: called as activation(up, gate)."""
+
+    kind = "gelu_tanh"  # what a fused experts kernel computes in its place (kernels.switch_glu)
 
     def __call__(self, up, gate):
         return gelu_tanh_glu(gate, up)

@@ -45,6 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .. import kernels
 from .base import cpu_stream_count, fused_kernels
 
 CHUNK_BYTES = 64 << 20  # largest dequantised fp32 block: the tied 262144-row head is 2.9 GB whole
@@ -267,7 +268,8 @@ def _per_sequence(product, x: mx.array) -> mx.array:
 class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if fused_kernels():
-            return super().__call__(x)
+            y = kernels.linear(self, x)  # None: MLX's kernel
+            return super().__call__(x) if y is None else y
         y = _layer_matmul(self, x)
         if "bias" in self:
             y = y + self["bias"]
@@ -277,7 +279,8 @@ class QuantizedLinear(nn.QuantizedLinear):
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         if fused_kernels():
-            return super().as_linear(x)
+            y = kernels.matmul(self, x)
+            return super().as_linear(x) if y is None else y
         return _layer_matmul(self, x).astype(x.dtype)
 
 
@@ -301,7 +304,8 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     if fused_kernels():
         if floating:  # float32 where loading widened it for the backend
             return glu(x.astype(w.dtype), idx).astype(x.dtype)
-        return glu(x, idx)
+        y = kernels.switch_glu(glu, x, idx)
+        return glu(x, idx) if y is None else y
     dtype = w.dtype if floating else mx.float32
     sizes = ragged_sizes(idx.size // idx.shape[-1])
     if sizes is None:

@@ -1,0 +1,112 @@
+"""Which kernel each product of a forward takes on an NVIDIA GPU, and why: the one place that decides.
+
+On MLX's CUDA backend, a decode step's and a verify's products (at most `qmm.MAX_ROWS` rows per
+weight, at most `sdpa.MAX_QUERIES` query positions) take mlx_mtp's kernels: each weight read
+once for all rows, every row computed as if alone. Larger products (prompt chunks) keep MLX's, as
+do Metal and the CPU. `MLX_MTP_KERNELS=mlx` (or `using("mlx")`) keeps MLX's kernels everywhere, for
+comparisons and bug reports. Every decision is counted (`decisions`), so the selftest and the
+benchmarks can say which kernels ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+from typing import Iterator, Optional
+
+import mlx.core as mx
+
+from . import qmm, sdpa
+
+
+SWITCH = "MLX_MTP_KERNELS"
+MODES = ("auto", "mlx")
+OURS = "mlx_mtp"
+
+_forced: Optional[str] = None
+_lock = threading.Lock()
+decisions: collections.Counter = collections.Counter()  # (family, kernel or MLX's with the reason) -> count
+
+
+def mode() -> str:
+    """'auto' (mlx_mtp's kernels where they apply) or 'mlx' (MLX's everywhere)."""
+    if _forced is not None:
+        return _forced
+    chosen = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
+    if chosen not in MODES:
+        raise ValueError(f"{SWITCH} must be one of {', '.join(MODES)}, not {chosen!r}")
+    return chosen
+
+
+@contextlib.contextmanager
+def using(chosen: Optional[str]) -> Iterator[None]:
+    """Within the block `mode()` is `chosen` (None: the environment's). Process-wide: for tests,
+    benchmarks and the selftest."""
+    global _forced
+    if chosen is not None and chosen not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}, not {chosen!r}")
+    before, _forced = _forced, chosen
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def cuda() -> bool:
+    """MLX's default device is an NVIDIA GPU (its CUDA backend)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def _why_not(family: str, reason: str) -> str:
+    """`reason` ('' for mlx_mtp's kernel) after the switch and the backend, counted."""
+    if not cuda():
+        return "not CUDA"  # Metal and the CPU: MLX's kernels, nothing to count
+    if mode() == "mlx":
+        reason = f"{SWITCH}=mlx"
+    with _lock:
+        decisions[(family, OURS if not reason else f"MLX's ({reason})")] += 1
+    return reason
+
+
+def quantized(rows: int, x_dtype: mx.Dtype, layer) -> str:
+    """Why a quantized layer's product over `rows` rows keeps MLX's kernel ('' if it takes ours)."""
+    reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
+    reason = reason or qmm.supports(x_dtype, layer["weight"], layer["scales"], layer.get("biases"),
+                                    layer.group_size, layer.bits, layer.mode)
+    return _why_not("quantized matmul", reason)
+
+
+def experts(tokens: int, top_k: int, x_dtype: mx.Dtype, glu) -> str:
+    """Why a SwitchGLU's experts over `tokens` tokens keep MLX's gather_qmm ('' if they take ours)."""
+    projections = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    reason = ""
+    if not 0 < tokens <= qmm.MAX_ROWS or tokens * top_k > qmm.MAX_PAIRS:
+        reason = f"{tokens} tokens"
+    elif getattr(glu.activation, "kind", None) != "gelu_tanh":
+        reason = f"activation {type(glu.activation).__name__}"
+    elif any("scales" not in p or "bias" in p for p in projections):
+        reason = "unquantized or biased experts"
+    elif len({(p.bits, p.group_size, p.mode) for p in projections}) > 1:
+        reason = "mixed quantization"
+    else:
+        reason = next((r for p in projections
+                       if (r := qmm.supports(x_dtype, p["weight"], p["scales"], p.get("biases"), p.group_size,
+                                             p.bits, p.mode))), "")
+    return _why_not("MoE experts", reason)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array], scale: float) -> str:
+    """Why an attention keeps MLX's scaled_dot_product_attention ('' if it takes ours)."""
+    return _why_not("attention", sdpa.supports(q, keys, values, mask, scale))
+
+
+def summary() -> str:
+    """Which kernels ran, per family, since the counts were last cleared ('' if none was counted)."""
+    with _lock:
+        items = sorted(decisions.items())
+    families = collections.defaultdict(list)
+    for (family, kernel), count in items:
+        families[family].append(f"{kernel} x{count}")
+    return "; ".join(f"{family}: {', '.join(kernels)}" for family, kernels in families.items())
