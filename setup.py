@@ -1,10 +1,12 @@
 """Which MLX build a Linux install gets (README: "NVIDIA GPUs (Linux)").
 
-MLX's CPU and CUDA builds (`mlx-cpu`, `mlx-cuda-13`) both install `mlx/lib/libmlx.so`, and pip adds
-an extra's packages to the base ones: with `mlx[cpu]` among the base dependencies and `mlx[cuda13]`
-in an extra, `pip install '.[cuda]'` installs the CUDA build and then the CPU build over it. So the
-backend is chosen here, on the machine the package is installed on: the CUDA 13 build where an
-NVIDIA driver is loaded, else the CPU build; `MLX_MTP_BACKEND=cpu|cuda` overrides the choice.
+MLX's CPU and CUDA builds (`mlx-cpu`, `mlx-cuda-13`) both install `mlx/lib/libmlx.so`, so an
+environment must hold exactly one, and no extra may add the other: pip adds an extra's packages to
+the base ones, in an order of its choosing. So the build is chosen here alone, on the machine the
+package is installed on: the CUDA 13 build where an NVIDIA driver is loaded, else the CPU build;
+`MLX_MTP_BACKEND=cpu|cuda` overrides the choice (an image built on a machine without the GPU).
+An environment that already holds the other build is fixed by the line `mlx_mtp.mlx_build.fix_line`
+gives (both removed, then one installed), which mlx_mtp prints when MLX cannot load.
 """
 
 import os

@@ -1,5 +1,9 @@
 """mlx_mtp: Gemma 4 with MTP speculative decoding on Apple MLX."""
 
+from .mlx_build import require as _require_mlx
+
+_require_mlx()  # before anything imports MLX: an install MLX cannot load is explained in one line
+
 from . import generate as generate_module
 from .batch import BatchGenerator
 from .conversation import Conversation

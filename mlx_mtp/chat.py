@@ -40,26 +40,37 @@ HELP = """commands:
 Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
 
 
+EPILOG = """The demo pair, a small model trained on Python's standard library, continues code; it is no
+assistant. Try:
+  python -m mlx_mtp.chat --raw --prompt 'def walk(top, topdown=True, onerror=None, followlinks=False):'"""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.chat"), description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
-    ap.add_argument("--drafter", help="MTP drafter dir or hub id, or 'ngram' for prompt lookup (no model "
-                                      "needed); default: none, plain decoding")
+    ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.chat"), description=__doc__.splitlines()[0],
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair, a small model "
+                                    "trained on Python source)")
+    ap.add_argument("--drafter", help="MTP drafter dir or hub id, or 'ngram' for prompt lookup (no model needed); "
+                                      "default: the demo pair's own drafter without --model, none (plain "
+                                      "decoding) with --model")
     ap.add_argument("--ngram", action="store_true",
                     help="with an MTP drafter: use a prompt-lookup proposal instead where it is long")
-    ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto")
+    ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
+                    help="tokens drafted per round, 0-6, or auto: chosen by measured cost and acceptance "
+                         "(default: auto)")
     ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter")
-    ap.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply")
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
+    ap.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
+    ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply (default: 512)")
+    ap.add_argument("--seed", type=int, help="for sampling (default: a fresh one per run)")
     ap.add_argument("--system", help="system message")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                     help="let the model reason before it answers (the chat template's enable_thinking) and show "
                          "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
     ap.add_argument("--prompt", help="answer this one message and exit")
-    ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template)")
+    ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
+                                                       "what the demo pair, a code model, does best")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
@@ -150,13 +161,20 @@ Session = Union[Conversation, Completion]
 
 
 def stat_line(s: Stats) -> str:
-    line = f"[{s.emitted} tokens, {s.decode_tps:.1f} tok/s, first token {s.first_token_seconds * 1000:.0f} ms"
-    if s.rounds:  # "auto" may also have decoded stretches plainly: say how much
-        from_rounds = s.emitted - 1 - s.plain_steps  # the first token comes from the prefill
-        line += f", {from_rounds} from {s.rounds} MTP rounds (acceptance length {s.acceptance_length:.2f})"
-        if s.plain_steps:
-            line += f", {s.plain_steps} from plain steps"
-    return line + "]"
+    """Where every token of the reply came from, every time (they add up to the total): the first
+    from the prompt's forward, the rest from MTP rounds and plain steps; then the speeds."""
+    origins = []
+    if s.emitted:
+        after_first = s.emitted - 1
+        from_rounds = min(max(after_first - s.plain_steps, 0), after_first) if s.rounds else 0
+        origins.append("1 from the prompt")
+        if s.rounds:
+            plural = "s" if s.rounds != 1 else ""
+            origins.append(f"{from_rounds} from {s.rounds} MTP round{plural} "
+                           f"(acceptance length {s.acceptance_length:.2f})")
+        origins.append(f"{after_first - from_rounds} from plain steps")
+    return (f"[{s.emitted} tokens{': ' + ', '.join(origins) if origins else ''}; {s.decode_tps:.1f} tok/s, "
+            f"first token {s.first_token_seconds * 1000:.0f} ms]")
 
 
 def say_if_cut(session: Session) -> None:

@@ -18,13 +18,15 @@ whole once its close tag (or the next call, or the end of the output) arrives, o
 not parse, as the text the model wrote less its control tokens (no text ever holds one).
 
 `render(..., as_generated=True)` renders a history the way the model generated it (see
-`render_generated`), where Gemma 4's template re-renders replies otherwise.
+`render_generated`), where Gemma 4's template re-renders replies otherwise; with any other
+template, each reply is spliced in as generated (`render_spliced`), where templates trim it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 TOOL_CALL, TOOL_CALL_END = "<|tool_call>", "<tool_call|>"
@@ -119,12 +121,14 @@ class Prompt(NamedTuple):
 
 def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
            enable_thinking: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-           template_kwargs: Optional[Mapping] = None, as_generated: bool = False) -> Prompt:
+           template_kwargs: Optional[Mapping] = None, as_generated: bool = False,
+           replies: Optional[Mapping[str, Sequence[int]]] = None) -> Prompt:
     """Render `messages` (and `tools`) with the tokenizer's chat template, as transformers'
     `apply_chat_template` does, and tokenize the text (the template writes `<bos>` itself).
 
     `continue_final_message`: the last (assistant) message is left open for the model to go on.
-    `as_generated`: earlier replies render as the model generated them (`render_generated`).
+    `as_generated`: earlier replies render as the model generated them (`render_generated`, or
+    `render_spliced` with the token ids in `replies`, reply text -> ids, where they are known).
 
     Raises:
         ValueError: malformed messages or tools, or the template refused them.
@@ -133,6 +137,10 @@ def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapp
                    template_kwargs=template_kwargs)
     text = render_generated(tokenizer, messages, tools, **options) if as_generated and add_generation_prompt \
         else None
+    if text is None and as_generated and add_generation_prompt:
+        spliced = render_spliced(tokenizer, messages, tools, replies or {}, **options)
+        if spliced is not None:
+            return spliced
     if text is None:
         text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
                            and not continue_final_message, **options)
@@ -249,6 +257,42 @@ def render_generated(tokenizer, messages: Sequence[Mapping], tools: Optional[Seq
     head = render_text(tokenizer, messages[:first], tools, add_generation_prompt=False, **options)
     openers = _openers(tokenizer, **options)
     return head + _turns(messages[first:], openers, continue_final_message)
+
+
+# Any other template: it renders each reply with a mark in its place (digits between control
+# characters: trimmed, cased and escaped unchanged), and the reply goes in as generated, its token
+# ids where the caller kept them. Every stretch of template text between replies is tokenized on
+# its own, the same stretches at every turn, so a conversation's tokens only ever grow at the end.
+_MARK = "\x00\x01{}\x01\x00"
+_MARKS = re.compile("\x00\x01(\\d+)\x01\x00")
+
+
+def render_spliced(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]],
+                   replies: Mapping[str, Sequence[int]], *, enable_thinking: bool = False,
+                   continue_final_message: bool = False, template_kwargs: Optional[Mapping] = None) -> Optional[Prompt]:
+    """`messages` rendered by the template with each text reply as generated: its ids from
+    `replies` (reply text -> ids, without the stop token), else its text tokenized untrimmed.
+    None where there is no such reply, or the template does not render each in its place."""
+    check_messages(messages)
+    spots = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and isinstance(m.get("content"), str)
+             and not m.get("tool_calls")]
+    if not spots:
+        return None
+    marked = [dict(m, content=_MARK.format(i)) if i in spots else m for i, m in enumerate(messages)]
+    rendered = render_text(tokenizer, marked, tools, enable_thinking=enable_thinking,
+                           add_generation_prompt=not continue_final_message,
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    parts = _MARKS.split(rendered)  # template text, reply index, template text, ...
+    if [int(i) for i in parts[1::2]] != spots:
+        return None
+    texts, tokens = [], []
+    for k, part in enumerate(parts):
+        text = messages[int(part)]["content"] if k % 2 else part
+        ids = replies.get(text) if k % 2 else None
+        texts.append(text)
+        tokens += list(ids) if ids is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    text = "".join(texts)
+    return Prompt(text, tokens, _open_channel(text), enable_thinking)
 
 
 def _openers(tokenizer, **options) -> tuple[str, str]:

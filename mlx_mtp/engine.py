@@ -38,7 +38,7 @@ from .admission import Admission
 from .batch import BatchGenerator, check_fits
 from .chat_format import Prompt
 from .grammar import Grammar, vocabulary
-from .history import History, Turn
+from .history import History, Replies, Turn
 from .output import Output
 from .prefix_cache import PrefixCache
 from .prefix_disk import open_disk_tier
@@ -54,6 +54,7 @@ __all__ = ["DoneEvent", "Engine", "ErrorEvent", "MemoryLimitError", "QueueFull",
 
 log = logging.getLogger(__name__)
 BAN = -1e9  # the logit bias that bans a token
+REPLIES_KEPT = 1024  # recent replies whose ids a history sent as messages can render with
 
 
 @dataclasses.dataclass
@@ -128,6 +129,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._conversations: dict[int, History] = {}
+        self._replies = Replies(loaded, REPLIES_KEPT)  # recent replies to histories sent as messages
         self._live: set[RequestHandle] = set()
         self._waiting: collections.deque = collections.deque()  # worker side
         self._running: dict[int, _Running] = {}  # row uid -> request (worker side)
@@ -286,7 +288,8 @@ class Engine:
         chat = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
                                   enable_thinking=request.enable_thinking,
                                   continue_final_message=request.continue_final_message,
-                                  template_kwargs=request.chat_template_kwargs, as_generated=True)
+                                  template_kwargs=request.chat_template_kwargs, as_generated=True,
+                                  replies=self._replies)
         return chat.tokens, chat_format.turn_ends(chat.tokens, self.loaded.eos_ids), chat
 
     def _ban_calls(self, request: Request) -> Request:
@@ -491,6 +494,8 @@ class Engine:
         if run.history is not None:
             with self._lock:
                 run.history.end(run.turn, run.output.tokens)
+        elif run.handle.request.messages is not None and run.output.tokens:
+            self._replies.record(run.output.tokens)  # a history sent back with it renders it as generated
         run.handle._finish(event)
         with self._lock:
             self._live.discard(run.handle)

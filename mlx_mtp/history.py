@@ -1,27 +1,61 @@
 """A conversation as the `Engine` keeps it: its messages, the tokens the model read and wrote,
 and the turn being generated.
 
-Each turn renders the whole conversation with the tokenizer's chat template and feeds the model
-only what no stored state covers: a conversation is a client of the engine's prefix cache
+Each turn renders the whole conversation with the tokenizer's chat template, each earlier reply
+as the model generated it (`chat_format.render(..., as_generated=True)`: templates trim replies
+or rewrite them, and the reply's own token ids are kept to be spliced back in), and feeds the
+model only what no stored state covers: a conversation is a client of the engine's prefix cache
 (`PrefixCache`) that pins the states its latest turn left (before and after the prompt's last
-token, after each turn of the rendering, after the reply). Chat templates re-render history
-(Gemma's trim messages, drop a reply's thinking), so the next prompt often parts ways with the
-last one inside the last reply, long after the sliding window has moved past it; it then resumes
-from the state at the end of the prompt before, and only the re-rendered reply and the new
-message are fed: exactly what a fresh prefill gives.
+token, after each turn of the rendering, after the reply). Where a template still re-renders a
+reply (one that edits it past recognition), the next prompt parts ways with the last one inside
+the last reply, long after the sliding window has moved past it; it then resumes from the state
+at the end of the prompt before, and only the re-rendered reply and the new message are fed:
+exactly what a fresh prefill gives.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
-from typing import Optional
+import threading
+from typing import Optional, Sequence
 
 from . import chat_format
 from .batch import BatchGenerator, ContextLengthError
 from .chat_format import Prompt
 
 _KEYS = itertools.count()
+
+
+class Replies:
+    """Replies' token ids as generated (without the stop token), by their text: what a history
+    sent back as text renders as (`chat_format.render_spliced`). The most recent `limit`, from
+    any thread."""
+
+    def __init__(self, loaded, limit: Optional[int] = None):
+        self.loaded, self.limit = loaded, limit
+        self._ids: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> Optional[list[int]]:
+        with self._lock:
+            return self._ids.get(text)
+
+    def record(self, reply: Sequence[int]) -> str:
+        """Keep a reply's ids under its text; returns the text (without the stop token)."""
+        ids = list(reply[:-1] if reply and reply[-1] in self.loaded.eos_ids else reply)
+        text = self.loaded.tokenizer.decode(ids)
+        with self._lock:
+            self._ids[text] = ids
+            self._ids.move_to_end(text)
+            while self.limit is not None and len(self._ids) > self.limit:
+                self._ids.popitem(last=False)
+        return text
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ids.clear()
 
 
 @dataclasses.dataclass
@@ -57,6 +91,7 @@ class History:
         self.enable_thinking = enable_thinking
         self.messages: list[dict] = []
         self.tokens: list[int] = []  # the conversation as the model saw it, replies included
+        self.replies = Replies(loaded)  # its replies' ids as generated, to render them as generated
         self.busy = False  # a turn is being generated
         self.reset()
 
@@ -65,6 +100,7 @@ class History:
         self._check_idle()
         self.messages[:] = [{"role": "system", "content": self.system}] if self.system else []
         self.tokens, self._reply = [], 0  # _reply: the last reply's length, at the end of `tokens`
+        self.replies.clear()
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` followed by the model's generation prompt."""
@@ -100,7 +136,7 @@ class History:
         self.busy = False
         self.tokens, self._reply = turn.prompt.tokens + reply, len(reply)
         if reply:
-            self.messages += [turn.message, {"role": "assistant", "content": self._text(reply)}]
+            self.messages += [turn.message, {"role": "assistant", "content": self.replies.record(reply)}]
 
     def keep(self, n: int) -> None:
         """Keep only the first `n` tokens of the last reply (a client that read no further); a
@@ -110,16 +146,13 @@ class History:
             cut = len(self.tokens) - self._reply + n
             reply, self.tokens, self._reply = self.tokens[cut - n: cut], self.tokens[:cut], n
             if reply:
-                self.messages[-1] = {"role": "assistant", "content": self._text(reply)}
+                self.messages[-1] = {"role": "assistant", "content": self.replies.record(reply)}
             else:
                 del self.messages[-2:]
 
-    def _text(self, reply: list[int]) -> str:
-        text = reply[:-1] if reply and reply[-1] in self.loaded.eos_ids else reply
-        return self.loaded.tokenizer.decode(text)
-
     def _render(self, messages: list[dict]) -> Prompt:
-        return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking)
+        return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking,
+                                  as_generated=True, replies=self.replies)
 
     def _fit(self, prompt: Prompt) -> None:
         limit = self.loaded.target.config.max_position_embeddings

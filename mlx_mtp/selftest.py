@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import __version__, memory
+from . import __version__, memory, mlx_build
 from .batch import BatchGenerator
 from .cli import prog_name
 from .drafters import MTPProposer
@@ -231,20 +231,9 @@ def ran() -> list[str]:
 
 def both_builds() -> list[str]:
     """A warning line when MLX's CPU and CUDA builds are both installed: they write the same
-    library, and the one written last is what runs (setup.py says how to choose)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> bool:
-        try:
-            return bool(version(name))
-        except PackageNotFoundError:
-            return False
-
-    if not (installed("mlx-cpu") and installed("mlx-cuda-13")):
-        return []
-    running = "CUDA" if mx.cuda.is_available() else "CPU"
-    return [f"warning: MLX's CPU and CUDA builds are both installed and the {running} one runs; "
-            "reinstall with MLX_MTP_BACKEND=cuda (or cpu) to keep one"]
+    library, and the one written last is what runs."""
+    line = mlx_build.both_installed_line()
+    return [line] if line else []
 
 
 COLUMNS = "{:<7}{:<15}{:<6}{:<7}{:>11}{:>11}{:>9}{:>8}{:>8}"

@@ -18,7 +18,9 @@ CHAT_TEMPLATE = (
 
 # Like Gemma's own templates (which trim messages and drop a reply's thinking), this one
 # rewrites history, more often so: every message is trimmed and lower-cased.
-REWRITING_TEMPLATE = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim | lower }}")
+# A template that rewrites every message past recognition (its first character dropped, the rest
+# trimmed and lower-cased): no reply can be spliced back in as generated (`chat_format.render_spliced`).
+REWRITING_TEMPLATE = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ (m['content'] | trim | lower)[1:] }}")
 
 
 def write_chat_tokenizer(path: Path, template: str = CHAT_TEMPLATE) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_mtp import jit, pipeline, selftest
+from mlx_mtp import jit, mlx_build, pipeline, selftest
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -46,7 +46,7 @@ def test_linux_installs_one_mlx_build_chosen_on_the_machine(tmp_path):
         setup.linux_backend({"MLX_MTP_BACKEND": "metal"}, driver)
     assert "mlx>=0.32; sys_platform == 'darwin'" in setup.dependencies({}, driver)
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'cuda = ["mlx[cuda13]>=0.32; sys_platform == \'linux\'"]' in pyproject
+    assert "mlx[cuda" not in pyproject and "mlx[cpu" not in pyproject  # no extra adds a second build
     assert 'dynamic = ["dependencies"]' in pyproject
 
 
@@ -59,14 +59,15 @@ def test_the_selftest_names_the_card_and_the_backend(cuda):
 def test_the_selftest_warns_when_both_mlx_builds_are_installed(monkeypatch):
     import importlib.metadata as metadata
 
-    monkeypatch.setattr(metadata, "version", lambda name: "0.32.4")
-    assert selftest.both_builds() == ["warning: MLX's CPU and CUDA builds are both installed and the CPU one "
-                                      "runs; reinstall with MLX_MTP_BACKEND=cuda (or cpu) to keep one"]
+    monkeypatch.setattr(mlx_build, "version", lambda name: "0.32.4")
+    assert selftest.both_builds() == ["warning: MLX's CPU and CUDA builds are both installed (one overwrote the "
+                                      "other); keep one: pip uninstall -y mlx-cpu mlx-cuda-13 && pip install "
+                                      "'mlx[cpu]==0.32.4'"]
 
     def missing(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(metadata, "version", missing)
+    monkeypatch.setattr(mlx_build, "version", missing)
     assert selftest.both_builds() == []
 
 

@@ -61,7 +61,7 @@ def replies(loaded, messages, max_tokens):
 def stat_counts(line: str) -> tuple[int, int, int]:
     """(tokens, from MTP rounds, from plain steps) of a stat line."""
     total = int(re.search(r"\[(\d+) tokens", line)[1])
-    rounds, plain = re.search(r"(\d+) from \d+ MTP rounds", line), re.search(r"(\d+) from plain steps", line)
+    rounds, plain = re.search(r"(\d+) from \d+ MTP rounds?", line), re.search(r"(\d+) from plain steps", line)
     return total, int(rounds[1]) if rounds else 0, int(plain[1]) if plain else 0
 
 
@@ -130,12 +130,16 @@ def test_a_drafter_given_as_the_model_is_named(capsys):
     assert err.endswith("is an MTP drafter (gemma4_assistant), not a target model; pass it as the drafter\n")
 
 
-def test_stat_line_counts_plain_steps_next_to_mtp_rounds():
+def test_stat_line_names_every_tokens_origin_every_time():
     mixed = Stats(emitted=120, rounds=20, plain_steps=31, drafted=60, accepted=68, from_draft=68)
     line = chat.stat_line(mixed)
-    assert "88 from 20 MTP rounds (acceptance length 4.40), 31 from plain steps]" in line
-    assert "%" not in line
-    assert "MTP" not in chat.stat_line(Stats(emitted=10, plain_steps=9))
+    assert line.startswith("[120 tokens: 1 from the prompt, 88 from 20 MTP rounds (acceptance length 4.40), "
+                           "31 from plain steps; ")
+    assert "%" not in line and 1 + 88 + 31 == 120
+    assert chat.stat_line(Stats(emitted=10, plain_steps=9)).startswith("[10 tokens: 1 from the prompt, 9 from plain steps; ")
+    one = chat.stat_line(Stats(emitted=4, rounds=1, drafted=3, accepted=2))
+    assert one.startswith("[4 tokens: 1 from the prompt, 3 from 1 MTP round (acceptance length 3.00), 0 from plain steps; ")
+    assert chat.stat_line(Stats()).startswith("[0 tokens; ")
 
 
 @pytest.mark.parametrize("argv0, usage", [("/venv/bin/mlx-mtp-chat", "usage: mlx-mtp-chat "),
@@ -193,3 +197,41 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(models):
         if status is None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_ten_turns_of_the_demo_chat_feed_only_their_new_tokens():
+    """`python -m mlx_mtp.chat` as the README starts it, ten messages and `/stats` after each: the
+    tokens fed over the turns are the new ones (the previous reply's stop token aside), read off what
+    the chat prints (the prompt's tokens fed and reused, the reply's tokens)."""
+    from test_conversation import ten_turns
+
+    stdin = "".join(f"{text}\n/stats\n" for text in ten_turns()).encode()
+    rc, out, err = run_chat("--max-tokens", 24, stdin=stdin)
+    assert rc == 0, err
+    prompts = [(int(f), int(r)) for f, r in re.findall(r"prompt: (\d+) tokens fed \(.*?\), (\d+) reused", out)]
+    replies = [int(n) for n in re.findall(r"^\[(\d+) tokens", err + out, re.M)]
+    assert len(prompts) == len(replies) == 10, (out, err)
+    fed = new = 0
+    for i in range(1, 10):
+        seen = sum(prompts[i - 1]) + replies[i - 1]  # the previous prompt and its reply
+        fed, new = fed + prompts[i][0], new + sum(prompts[i]) - seen
+    assert fed / new <= 1.05, (fed, new, prompts)
+
+
+def test_the_readmes_first_command_continues_code_and_names_every_tokens_origin():
+    """The README's Set up block, its chat line run as written (the demo pair, a code prefix, --raw)."""
+    block = (ROOT / "README.md").read_text().split("## Set up", 1)[1].split("```", 2)[1]
+    line = next(x for x in block.splitlines() if x.startswith("python -m mlx_mtp.chat"))
+    out = subprocess.run(line + " --max-tokens 16", shell=True, capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\[16 tokens: 1 from the prompt, (\d+ from \d+ MTP rounds? \(acceptance length [\d.]+\), )?"
+                     r"\d+ from plain steps; ", out.stdout + out.stderr)
+
+
+def test_help_says_the_defaults_and_what_the_demo_runs_with():
+    rc, out, _ = run_chat("--help")
+    text = " ".join(out.split())
+    assert rc == 0
+    for said in ("(default: 0, greedy)", "per reply (default: 512)", "default: the demo pair's own drafter without "
+                 "--model, none (plain decoding) with --model", "(default: auto)", "--raw --prompt 'def walk(top, topdown=True"):
+        assert said in text, said

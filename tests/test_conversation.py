@@ -111,9 +111,9 @@ def test_a_reply_closed_early_is_kept_as_read(loaded, slow):
 
 
 def test_a_template_that_rewrites_replies_costs_one_reply_not_the_conversation(tmp_path):
-    """Chat templates rewrite history (Gemma's trim messages; this one also lower-cases), so a
-    stored reply re-renders differently from what was generated, from a point long after the
-    sliding window (8) and the rollback slack moved past it. Each turn must still feed only the new
+    """A template that rewrites replies past recognition (so none can be spliced back in as
+    generated) re-renders a stored reply differently from what was generated, from a point long after
+    the sliding window (8) and the rollback slack moved past it. Each turn must still feed only the new
     message plus at most the re-rendered last reply, and give what a fresh prefill gives."""
     loaded = mlx_mtp.load(make_chat_model(tmp_path / "m", REWRITING_TEMPLATE), DRAFTER)
     conv = Conversation(loaded)
@@ -131,3 +131,27 @@ def test_a_template_that_rewrites_replies_costs_one_reply_not_the_conversation(t
         previous_reply = expected
     assert rewritten >= 5  # the snapshot path really ran
     assert len(conv.tokens) > 300  # far past window + slack
+
+
+def ten_turns():
+    return [f"Please write a Python function number {i} that reads a text file and returns the ten most "
+            f"common words in it." for i in range(10)]
+
+
+def test_a_ten_turn_chat_on_the_demo_pair_feeds_only_its_new_tokens():
+    """The demo template trims replies, so rendering one again would part ways with the tokens the
+    model wrote at their first token (every turn prefilling the last reply again): each reply goes
+    back in as generated, every prompt extends the conversation so far, and what is fed over ten
+    turns is the new tokens (each reply's stop token, written but never fed, aside)."""
+    from mlx_mtp.demo import load_demo
+
+    conv = Conversation(load_demo())
+    fed = new = 0
+    for i, text in enumerate(ten_turns()):
+        seen = list(conv.tokens)
+        prompt = conv.render([*conv.messages, {"role": "user", "content": text}])
+        assert prompt[: len(seen)] == seen, i  # the reply as generated, not re-rendered
+        list(conv.reply(text, max_tokens=24))
+        if i:
+            fed, new = fed + conv.last_stats.prompt_tokens, new + len(prompt) - len(seen)
+    assert fed / new <= 1.05, (fed, new)

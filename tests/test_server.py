@@ -447,3 +447,21 @@ def test_readme_examples_run_as_written(url):
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "predicted_per_second" in run.stdout and "completion_tokens=" in run.stdout
+
+
+def test_a_ten_turn_history_sent_back_feeds_only_its_new_tokens(client):
+    """A client that sends the whole conversation each turn (as the OpenAI API is used), replies as
+    it received them: each reply renders as the model generated it, whatever the template does to
+    it (the demo's trims), so only the new tokens are prefilled (each reply's stop token aside)."""
+    from test_conversation import ten_turns
+
+    messages, fed, new, seen = [], 0, 0, None
+    for text in ten_turns():
+        messages.append({"role": "user", "content": text})
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        u = r.usage
+        if seen is not None:
+            fed, new = fed + u.prompt_tokens - u.prompt_tokens_details.cached_tokens, new + u.prompt_tokens - seen
+        seen = u.prompt_tokens + u.completion_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert fed / new <= 1.05, (fed, new)

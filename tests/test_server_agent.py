@@ -194,6 +194,8 @@ def test_tool_choice_none_bans_a_call_and_keeps_the_prompt(claude):
     ("/v1/messages", {"temperature": 1.5}, "temperature"),
     ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
     ("/v1/messages", {"service_tier": 1}, "service_tier"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"verbosity": 3}, "verbosity"),
 ])
 def test_fields_are_checked_as_the_real_apis_check_them(scripted_server, path, body, param):
     base = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": PARIS}]}
@@ -201,6 +203,38 @@ def test_fields_are_checked_as_the_real_apis_check_them(scripted_server, path, b
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert param in error.get("param", "") + error["message"] and "\n" not in error["message"]
+
+
+def test_an_unknown_field_is_refused_as_openai_refuses_it_and_the_fields_clients_send_are_not(scripted_server):
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": PARIS}]}
+    client = openai.OpenAI(base_url=scripted_server + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**base, extra_body={"frobnicate": 1})
+    assert e.value.status_code == 400 and e.value.body["message"] == "Unrecognized request argument supplied: frobnicate"
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request arguments supplied: tempreature, topk"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"tempreature": 0, "topk": 3})
+    sent = dict(stream_options=None, user="u", metadata={"k": "v"}, store=False, service_tier="auto", seed=1,
+                parallel_tool_calls=True, presence_penalty=0, frequency_penalty=0, logprobs=False, top_p=1,
+                prompt_cache_key="k", safety_identifier="s", verbosity="medium", modalities=["text"],
+                extra_body={"draft_tokens": 3, "mtp": True, "top_k": 0, "min_p": 0, "repetition_penalty": 1.0,
+                            "chat_template_kwargs": {}})
+    assert client.chat.completions.create(**base, **{k: v for k, v in sent.items() if v is not None}).choices
+
+
+def test_a_tool_result_must_answer_a_call_of_the_message_before(claude):
+    calls = [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]
+    answer = [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": PARIS}, {"role": "assistant", "content": calls},
+            {"role": "user", "content": answer}])
+    assert e.value.body["error"]["message"] == (
+        "messages.2.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_2. Each `tool_result` "
+        "block must have a corresponding `tool_use` block in the previous message.")
+    answer[0]["tool_use_id"] = "toolu_1"
+    assert claude.messages.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": PARIS}, {"role": "assistant", "content": calls},
+        {"role": "user", "content": answer}]).content is not None
 
 
 def test_either_right_key_is_enough(scripted_server):

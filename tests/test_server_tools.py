@@ -148,9 +148,9 @@ def test_a_body_nested_5000_deep_is_a_400_on_both_apis(scripted_server):
         assert "nested" in r.text
     r = httpx.post(scripted_server + "/v1/messages", content=deep, headers={"x-api-key": KEY})
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
-    def body(depth: int) -> dict:  # the nesting counted from the body itself
+    def body(depth: int) -> dict:  # the nesting counted from the body itself (a field OpenAI takes any object in)
         return {"messages": [{"role": "user", "content": SEVEN}], "max_tokens": 2,
-                "note": json.loads("[" * (depth - 1) + "]" * (depth - 1))}
+                "metadata": {"note": json.loads("[" * (depth - 2) + "]" * (depth - 2))}}
 
     r = httpx.post(scripted_server + "/v1/chat/completions", headers={"x-api-key": KEY}, json=body(64))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "42"

@@ -72,7 +72,7 @@ def setup(name: str) -> dict:
                 raise RegimeError("the streaming regime needs AVX-512F; this CPU has none (use --regime mkl)")
             if rc != 0:
                 raise RegimeError(f"streaming_sgemm_init failed ({rc})")
-    import mlx.core  # noqa: F401  (binds libmlx.so's cblas_sgemm)
+    import mlx_mtp  # noqa: F401  (imports mlx.core: binds libmlx.so's cblas_sgemm; explains an MLX that cannot load)
 
     _state.update(state)
     _state["provider"] = verify(name)

@@ -83,7 +83,8 @@ def _messages(body: dict) -> list:
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "`messages` must be a non-empty list")
     system = _text(body["system"], "system", billing=True) if body.get("system") else ""
-    names: dict = {}
+    names: dict = {}  # tool_use id -> the tool's name
+    asked: set = set()  # the tool_use ids of the last assistant message, which the next one's results answer
     out: list = [{"role": "system", "content": system}] if system else []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
@@ -95,7 +96,12 @@ def _messages(body: dict) -> list:
                 out.append({"role": "system", "content": text})
             continue
         blocks = _blocks(message.get("content"), f"{where}.content")
-        out.extend(_assistant(blocks, where, names) if role == "assistant" else _user(blocks, where, names))
+        if role == "assistant":
+            out.extend(_assistant(blocks, where, names))
+            asked = {b.get("id") for b in blocks if b.get("type") == "tool_use"}
+        else:
+            out.extend(_user(blocks, i, names, asked))
+            asked = set()
     if not any(m["role"] != "system" for m in out):
         raise invalid("messages", "`messages` must hold a user or assistant message")
     return out
@@ -109,8 +115,10 @@ def _blocks(content: Any, where: str) -> list:
     return content
 
 
-def _user(blocks: list, where: str, names: dict) -> list:
-    """Tool results first (as tool messages), then the user's text."""
+def _user(blocks: list, i: int, names: dict, asked: set) -> list:
+    """Tool results first (as tool messages), each answering a call of the message before, as
+    Anthropic requires (in its words), then the user's text."""
+    where = f"messages[{i}]"
     results, text = [], []
     for j, block in enumerate(blocks):
         kind = block.get("type")
@@ -119,6 +127,11 @@ def _user(blocks: list, where: str, names: dict) -> list:
             if block.get("is_error"):
                 content = f"Error: {content}"
             call_id = block.get("tool_use_id")
+            if call_id not in asked:
+                raise invalid(f"{where}.content[{j}].tool_use_id",
+                              f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                              f"{call_id}. Each `tool_result` block must have a corresponding `tool_use` block in "
+                              "the previous message.")
             name = names.get(call_id)
             results.append({"role": "tool", "tool_call_id": call_id, "content": content,
                             **({"name": name} if name else {})})

@@ -33,7 +33,20 @@ __all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "pa
 # OpenAI's newer "developer" role is the system message of older models.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Fields whose meaning we cannot honour: refused unless left at their default, never silently ignored.
-UNSUPPORTED = ("n", "best_of", "echo", "suffix", "functions", "function_call")
+UNSUPPORTED = ("n", "best_of", "echo", "suffix", "functions", "function_call", "audio", "prediction",
+               "web_search_options")
+# Every field of OpenAI's requests (chat, then completions) and this server's extensions (its own, and
+# vLLM's it takes): any other is refused, as OpenAI refuses it, so a misspelt field is never ignored.
+CHAT_FIELDS = frozenset({
+    "model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort", "response_format",
+    "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"})
+COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"})
+EXTENSIONS = frozenset({"draft_tokens", "mtp", "top_k", "min_p", "repetition_penalty", "structured_outputs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +69,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/chat/completions: `messages` (and `tools`) are rendered with the model's chat
     template by the engine."""
     body = _object(body)
+    _known(body, CHAT_FIELDS | EXTENSIONS | {"chat_template_kwargs"})
     options = mapping(body, "chat_template_kwargs")
     thinking = options.pop("enable_thinking", model.thinking)
     if not isinstance(thinking, bool):
@@ -69,6 +83,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
 def parse_completion(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/completions: `prompt` is text or token ids, continued as they are."""
     body = _object(body)
+    _known(body, COMPLETION_FIELDS | EXTENSIONS)
     return _job(body, "text_completion", model, prompt=_prompt(body.get("prompt"), model.vocab_size))
 
 
@@ -85,8 +100,11 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
     stream = flag(body, "stream", False)
     options = mapping(body, "stream_options")
     for name, of in (("user", str), ("metadata", dict), ("store", bool), ("service_tier", str),
-                     ("reasoning_effort", str)):
+                     ("reasoning_effort", str), ("verbosity", str), ("prompt_cache_key", str),
+                     ("prompt_cache_retention", str), ("safety_identifier", str), ("modalities", list)):
         typed(body, name, of)  # fields with no use here, checked as OpenAI checks them
+    if body.get("modalities") not in (None, ["text"]):
+        raise unsupported("modalities", "this server answers with text only (`modalities: [\"text\"]`)")
     request = Request(
         **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, 2.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
@@ -104,6 +122,13 @@ def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
+
+
+def _known(body: dict, fields: frozenset) -> None:
+    unknown = [name for name in body if name not in fields]
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise APIError(400, f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}")
 
 
 def _is_default(name: str, value: Any) -> bool:
