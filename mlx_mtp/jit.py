@@ -85,6 +85,53 @@ def on_first_compile(say: Callable[[], None], every: float = 0.2) -> Optional[th
     return thread
 
 
+def count(folder: Optional[Path]) -> int:
+    """Kernels MLX keeps in `folder` (one file of machine code each, beside their sources)."""
+    try:
+        return sum(1 for f in os.scandir(folder) if f.name.endswith((".ptx", ".so", ".cubin")))
+    except (OSError, TypeError):
+        return 0
+
+
+def watch_compiles(say: Callable[[int], None], every: float = 10.0) -> Callable[[], None]:
+    """Call `say(n)` from a daemon thread whenever MLX has built more kernels since it last spoke
+    (n: how many this run so far), at most every `every` seconds; returns the function that stops it."""
+    folder, stop = kernel_dir(), threading.Event()
+    start = count(folder)
+
+    def watch():
+        said = start
+        while not stop.wait(every):
+            now = count(folder)
+            if now > said:
+                say(now - start)
+                said = now
+
+    if folder is not None:
+        threading.Thread(target=watch, name="mlx_mtp-jit-count", daemon=True).start()
+    return stop.set
+
+
+class KernelCache:
+    """MLX's compiled-kernel cache for a run: kept in `folder` when given (MLX_PTX_CACHE_DIR, read by
+    MLX at its first compile, so set before anything runs), and what the run found there and added."""
+
+    def __init__(self, folder: Optional[Path]):
+        self.folder = folder
+        self.found = count(folder)
+
+    @classmethod
+    def open(cls, folder: Optional[str]) -> "KernelCache":
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            os.environ["MLX_PTX_CACHE_DIR"] = str(Path(folder).resolve())
+        return cls(kernel_dir())
+
+    def report(self) -> dict:
+        return dict(folder=None if self.folder is None else str(self.folder), found=self.found,
+                    compiled=count(self.folder) - self.found)
+
+
 def _stamp(folder: Path) -> Optional[int]:
     """Changes whenever a file is added to `folder` (or the folder appears)."""
     try:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import __version__, memory, mlx_build
+from . import __version__, jit, memory, mlx_build
 from .batch import BatchGenerator
 from .cli import prog_name
 from .drafters import MTPProposer
@@ -279,8 +279,11 @@ def run(names: Optional[list[str]] = None, kernels: str = "auto") -> tuple[bool,
     forced, products_mode = KERNELS[kernels]
     start = time.perf_counter()
     dispatch.decisions.clear()
+    stop = jit.watch_compiles(lambda n: print(f"compiling kernels (first run on this machine): {n} so far",
+                                              file=sys.stderr, flush=True))
     with force_fused(forced), dispatch.using(products_mode):
         outcomes = [check(p) for p in chosen]
+        stop()
         text = report(outcomes, forced, time.perf_counter() - start)
     return all(o.ok for o in outcomes), text
 
@@ -292,6 +295,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  "against plain decoding) and time it; paste the output into bug reports.")
     ap.add_argument("--pairs", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated subset of {','.join(names)} (default: all)")
+    ap.add_argument("--warm", metavar="MODEL", help="instead of the checks: compile every kernel MODEL (a dir or hub "
+                                                    "id; with --drafter) will use, for machine images and first runs")
+    ap.add_argument("--drafter", help="with --warm: the MTP drafter dir or hub id")
+    ap.add_argument("--batches", type=batch_sizes, default=range(1, 9), help="with --warm: rows, e.g. 1-8 (default)")
     ap.add_argument("--kernels", choices=list(KERNELS), default="auto",
                     help="RoPE/RMSNorm branch on the default device (default: auto, fused on a GPU); mlx: MLX's "
                          "kernels for every product (on NVIDIA GPUs mlx_mtp's own take decode and verify steps)")
@@ -302,8 +309,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def batch_sizes(text: str) -> range:
+    low, _, high = text.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.warm:
+        from .loading import load
+        from .warm import warm
+
+        done = warm(load(args.warm, drafter=args.drafter), args.batches, log=print)
+        print(f"warmed {args.warm}: {done['runs']} runs, {done['compiled']} kernels compiled, {done['seconds']:.0f} s")
+        return 0
     # The check compares float32 outputs with the CPU's: MLX's GPU matmuls would otherwise round
     # float32 inputs to TF32 (10-bit mantissas). Read by MLX at its first GPU matmul.
     os.environ.setdefault("MLX_ENABLE_TF32", "0")

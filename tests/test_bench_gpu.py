@@ -2,6 +2,8 @@
 runs it (a fresh process), on this machine's CPU; and the pieces its figures rest on."""
 
 import importlib.util
+import re
+import time
 import json
 import math
 import subprocess
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_flatten
 
 from apps.bench import gpu, inmemory
@@ -77,3 +80,73 @@ def test_a_decode_step_reads_only_the_experts_its_rows_route_to():
     read = sum(expert_tensors) * (experts - 2) / experts
     assert abs((every - two) - read) <= len(expert_tensors)  # rounding per tensor
     assert gpu.step_bytes(target, 2, 10, [2] * layers) > two  # two rows' K/V over 10 positions
+
+
+def suite_args(tmp_path, **over):
+    import types
+
+    base = dict(smoke=True, shapes=None, stages=None, budget=None, kernel_cache=None, no_peers=True, no_demo=True,
+                prefill="32", p=0.8, seed=0, kernels=None, results_dir=str(tmp_path / "results"), command_line="x")
+    return types.SimpleNamespace(**{**base, **over})
+
+
+def test_stages_run_in_order_of_value_and_those_past_the_budget_are_skipped_saying_so(tmp_path, monkeypatch):
+    """What a short window on a fresh GPU machine gets: the chosen stages in order, each figure printed
+    as it is measured, the JSON written again after every stage, a stage that would not fit skipped
+    in one line."""
+    import dataclasses
+
+    said, saves = [], []
+    estimates = {"31b": 0, "26b-a4b-batch": 20000}  # seconds (x 0.05 in a smoke run); the others keep theirs
+    monkeypatch.setattr(gpu, "STAGES", tuple(dataclasses.replace(s, estimate_s=estimates.get(s.name, s.estimate_s))
+                                             for s in gpu.STAGES))
+    monkeypatch.setattr(gpu, "saving", lambda args, device: True)
+    real_save = gpu.save
+    monkeypatch.setattr(gpu, "save", lambda res, args: saves.append(sorted(res["stages"])) or real_save(res, args))
+    res = gpu.run_gpu(suite_args(tmp_path, stages="31b,prefill,26b-a4b-batch", budget=600), said.append)
+    assert list(res["stages"]) == ["31b", "26b-a4b-batch", "prefill"]  # the STAGES order, not the option's
+    assert res["stages"]["26b-a4b-batch"]["skipped"].startswith("needs ~1000 s")
+    assert "stage 26b-a4b-batch: skipped (needs ~1000 s of the budget" in "\n".join(said)
+    assert saves[0] == ["31b"] and saves[-1] == ["26b-a4b-batch", "31b", "prefill"]
+    saved = json.loads(Path(res["saved"]).read_text())
+    assert saved["shapes"]["tiny-dense"]["mtp"]["K=3,B=1"]["equals_plain"] and "tiny-moe" not in saved["shapes"]
+    assert [int(n) for n in saved["shapes"]["tiny-dense"]["prefill"]] == [32]
+    assert any(line.startswith("  plain B=1: ") for line in said)  # printed as soon as it exists
+    with pytest.raises(SystemExit, match="unknown stage"):
+        gpu.chosen_stages(suite_args(tmp_path, stages="31b,fast"))
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+
+
+def test_the_kernel_cache_option_keeps_mlxs_kernels_in_a_folder_and_counts_them(tmp_path, cuda, monkeypatch):
+    from mlx_mtp import jit
+
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    folder = tmp_path / "ptx"
+    folder.mkdir()
+    (folder / "qmm_sm80.ptx").write_text("x")
+    cache = jit.KernelCache.open(str(folder))
+    assert jit.kernel_dir() == folder.resolve() and cache.report()["found"] == 1
+    told = []
+    stop = jit.watch_compiles(told.append, every=0.05)
+    for name in ("a.ptx", "b.ptx", "a.cu"):
+        (folder / name).write_text("x")
+    deadline = time.time() + 5
+    while not told and time.time() < deadline:
+        time.sleep(0.05)
+    stop()
+    assert told and told[-1] == 2 and cache.report() == dict(folder=str(folder.resolve()), found=1, compiled=2)
+
+
+def test_warming_runs_prefill_decode_and_every_verify_at_each_batch_size(capsys):
+    from mlx_mtp import selftest
+
+    argv = ["--warm", str(TINY / "moe" / "target"), "--drafter", str(TINY / "moe" / "drafter"), "--batches", "1-2"]
+    assert selftest.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "B=2: plain steps and verifies of K = 1..6 run" in out
+    assert re.search(r"warmed .*: 15 runs, \d+ kernels compiled, \d+ s", out)  # 1 + 2 x (K = 0..6)

@@ -161,7 +161,10 @@ def test_experts_and_attention_dispatch(cuda):
     kv = mx.zeros((1, 2, 300, 256), BF16)
     mask = mx.ones((1, 1, 7, 300), mx.bool_)
     assert dispatch.attention(q, kv, kv, mask, 1.0) == "" and dispatch.attention(q, kv, kv, None, 1.0) == ""
-    assert dispatch.attention(mx.zeros((1, 8, 9, 256), BF16), kv, kv, None, 1.0) == "9 query positions over 300 slots"
+    assert dispatch.attention(mx.zeros((1, 8, 512, 256), BF16), kv, kv, None, 1.0) == ""  # a prompt chunk
+    small = mx.zeros((1, 2, 300, 128), BF16)
+    assert dispatch.attention(mx.zeros((1, 8, 9, 128), BF16), small, small, None, 1.0) == \
+        "9 query positions over 300 slots at head_dim 128"  # cuDNN takes these
     assert dispatch.attention(q, kv, kv, mask[:, :, :, :10], 1.0).startswith("a bool mask")
 
 
@@ -182,3 +185,20 @@ def test_a_quantized_layer_on_cuda_calls_our_kernel_for_a_step_and_mlxs_for_a_pr
         step = q(mx.random.normal((2, 3, 64)).astype(BF16))
         q(mx.random.normal((1, qmm.MAX_ROWS + 1, 64)).astype(BF16))
     assert calls == [(6, 64)] and step.shape == (2, 3, 32)
+
+
+def test_a_prompt_chunks_experts_go_by_expert_on_cuda(cuda):
+    """More tokens than a decode step's: one product per used expert over its rows (MLX's gather_qmm
+    re-reads an expert per pair, and past 8,192 tokens x top-8 launches past CUDA's grid limit)."""
+    from mlx_mtp.models.quantized import switch_glu as forward
+
+    glu = switch_glu(16, 64, 32, 4, group=32)
+    tokens = qmm.MAX_ROWS + 6
+    x = mx.random.normal((tokens, 64), key=mx.random.key(5)).astype(BF16)
+    idx = mx.argsort(mx.random.uniform(shape=(tokens, 16), key=mx.random.key(6)), axis=-1)[:, :2].astype(mx.int32)
+    with force_fused(True):
+        got = forward(glu, x, idx)
+    want = glu(x, idx)
+    assert got.shape == want.shape == (tokens, 2, 64)
+    assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))) / mx.max(mx.abs(want)) < 2e-2
+    assert dispatch.decisions[("MoE experts by expert (prompt)", dispatch.OURS)] == 1

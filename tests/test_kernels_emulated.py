@@ -145,3 +145,18 @@ def test_greedy_mtp_equals_plain_through_the_kernels_one_row_and_a_batch(monkeyp
         mx.enable_compile()
     ran = {family for family, kernel in dispatch.decisions if kernel == dispatch.OURS}
     assert ran == {"quantized matmul", "MoE experts", "attention"}
+
+
+def test_a_prompts_rows_are_the_same_however_it_is_cut_into_chunks():
+    """A prompt chunk at head_dim 256 takes the kernel too (no score matrix held): prefilled at once,
+    or in two chunks each attending to what the cache holds then, every row is bitwise the same."""
+    B, Hq, Hkv, L, D = 1, 2, 1, 40, 256
+    q = mx.random.normal((B, Hq, L, D), key=mx.random.key(8)).astype(BF16)
+    k, v = mx.random.normal((2, B, Hkv, L, D), key=mx.random.key(9)).astype(BF16)
+    pos = mx.arange(L)
+    causal = (pos[None, :] <= pos[:, None])[None, None]  # (1, 1, L, L)
+    whole = sdpa.attention(q, k, v, causal)
+    assert close(whole, sdpa.reference(q, k, v, causal))
+    first = sdpa.attention(q[:, :, :24], k[:, :, :24], v[:, :, :24], causal[:, :, :24, :24])
+    second = sdpa.attention(q[:, :, 24:], k, v, causal[:, :, 24:])
+    assert mx.array_equal(mx.concatenate([first, second], axis=2), whole)

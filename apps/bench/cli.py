@@ -245,6 +245,12 @@ def parser() -> argparse.ArgumentParser:
                                                   "default 1024,8192, with --smoke 32,96; empty: none)")
     u.add_argument("--kernels", choices=("auto", "mlx"), default=None,
                    help="mlx: MLX's kernels everywhere (MLX_MTP_KERNELS=mlx); auto: mlx_mtp's on CUDA")
+    u.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="run the stages in order of value and skip, saying so, those that would not fit")
+    u.add_argument("--stages", help="comma list of stages (default: all): " + ", ".join(
+                       ("31b", "26b-a4b", "31b-batch", "26b-a4b-batch", "prefill", "peers", "e4b", "demo")))
+    u.add_argument("--kernel-cache", metavar="DIR",
+                   help="keep MLX's compiled kernels in DIR (MLX_PTX_CACHE_DIR) and reuse them")
     u.add_argument("--no-demo", action="store_true", help="skip the demo pair")
     u.add_argument("--results-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "gpu"),
                    help="where a GPU run's JSON goes (<card>-<date>.json)")

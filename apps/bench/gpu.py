@@ -23,12 +23,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_mtp import kernels
+from mlx_mtp import jit, kernels
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.memory import BACKENDS, Device, nbytes
 from mlx_mtp.models import gemma4
@@ -43,7 +44,8 @@ from .report import table
 
 GiB = 2**30
 BITS = 4
-TINY = {"tiny-dense": "dense", "tiny-moe": "moe", "tiny-e2b": "e2b"}  # --smoke: stand-ins for the real three
+STAND_IN = {"31b": "tiny-dense", "26b-a4b": "tiny-moe", "e4b": "tiny-e2b"}  # --smoke: the real three's stand-ins
+TINY = {"tiny-dense": "dense", "tiny-moe": "moe", "tiny-e2b": "e2b"}  # a stand-in -> its fixture
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,11 @@ class Sizes:
     copy_bytes: int  # the bandwidth probe's buffer
     demo_tokens: int
     demo_repeats: int
+    estimate_scale: float = 1.0  # of the stages' estimates (H200 seconds)
 
 
 REAL = Sizes(("31b", "26b-a4b", "e4b"), (1024, 8192), 128, 64, 64, 32, 4 * GiB, 96, 3)
-SMOKE = Sizes(tuple(TINY), (32, 96), 8, 12, 8, 5, 16 << 20, 6, 1)
+SMOKE = Sizes(tuple(TINY), (32, 96), 8, 12, 8, 5, 16 << 20, 6, 1, estimate_scale=0.05)
 BATCHES = (1, 4, 8)
 MOE_BATCHES = (1, 4, 8, 16)
 ORACLE_RUNS = [*((k, 1) for k in range(1, 7)), ("auto", 1), (3, 4), ("auto", 4), ("auto", 8)]  # (K, B)
@@ -148,55 +151,153 @@ def oracle_run(target, drafter, prompts: list, truths: list, k, p: float, n: int
                 expected_tokens=expected_tokens(p, k) if k != "auto" else None, equals_plain=same)
 
 
-# ---- one shape -------------------------------------------------------------------------------------
+# ---- stages --------------------------------------------------------------------------------------------
 
 
-def bench_shape(shape: str, sizes: Sizes, args, copy_rate: float, log) -> dict:
-    target_config, drafter_config, provenance = sources(shape)
-    started = time.perf_counter()
-    target, config, weights = inmemory.build(target_config, BITS, seed=0)
-    drafter, d_config, d_weights = inmemory.build(drafter_config, BITS, seed=1)
-    drafter.check_target(target)
-    out = dict(assistant_config=provenance, build_s=time.perf_counter() - started,
-               target_gib=nbytes(target) / GiB, assistant_gib=nbytes(drafter) / GiB,
-               moe=bool(target.config.enable_moe_block), layers=target.config.num_hidden_layers)
-    log(f"{shape}: built in {out['build_s']:.1f} s "
-        f"({out['target_gib']:.2f} + {out['assistant_gib']:.2f} GiB)")
-    rng = np.random.default_rng(args.seed)
-    ids = lambda n: rng.integers(4, target.vocab_size, n).tolist()  # noqa: E731
-    out["first_token_after_load_s"] = first_token(target, ids(sizes.first_prompt))
-    out["prefill"] = {}
-    for n in prefill_lengths(args, sizes):
-        seconds = first_token(target, ids(n))
-        out["prefill"][n] = dict(seconds=seconds, tok_s=n / seconds)
-        log(f"  prefill {n}: {n / seconds:.0f} tok/s")
-    batches = MOE_BATCHES if out["moe"] else BATCHES
-    prompts = [ids(sizes.context) for _ in range(max(batches))]
-    tokens = lambda B: sizes.tokens if B == 1 else sizes.batch_tokens  # noqa: E731
-    plain = {B: plain_run(target, prompts[:B], tokens(B)) for B in batches}
-    out["decode"] = {}
-    for B, run in plain.items():
-        union = union_per_layer(target, prompts[:B], 4) if out["moe"] else None
-        read = step_bytes(target, B, sizes.context + tokens(B) // 2, union)
-        out["decode"][B] = dict(tok_s=run["tok_s"], step_s=run["step_s"], bytes_per_step=read,
-                                roofline=read / copy_rate / run["step_s"], union_per_layer=union,
-                                union_mean=float(np.mean(union)) if union else None)
-        d = out["decode"][B]
-        log(f"  plain B={B}: {d['tok_s']:.1f} tok/s, {100 * d['roofline']:.0f}% of the roofline"
-            + (f", expert union {d['union_mean']:.1f}" if union else ""))
-    out["mtp"] = {}
-    for k, B in ORACLE_RUNS:
-        truths = plain[B]["tokens"]
-        r = oracle_run(target, drafter, prompts[:B], truths, k, args.p, len(truths[0]), plain[B])
-        out["mtp"][f"K={k},B={B}"] = r
-        log(f"  MTP oracle p={args.p} K={k} B={B}: {r['speedup']:.2f}x plain, round = "
-            f"{r['round_in_plain_steps']:.2f} plain steps, equals plain: {r['equals_plain']}")
-    if not args.no_peers:
-        out["peers"] = peers.compare(target, drafter, (config, weights), (d_config, d_weights), prompts,
-                                     {B: plain[B] for B in (1, 4)}, PEER_K, tokens, log)
-    out["seconds"] = time.perf_counter() - started  # the shape's share of the suite's time
-    log(f"{shape}: {out['seconds']:.0f} s in all")
-    return out
+@dataclass(frozen=True)
+class Stage:
+    """Figures measured together. `shape`: a released shape (the tiny stand-in with --smoke); None:
+    every shape built so far. `estimate_s`: the stage's seconds on an H200 with MLX's kernels compiled
+    (apps/device's cache; the 31B's whole run took 120 s there), what `--budget` plans with: a stage
+    that would not fit is skipped, saying so."""
+
+    name: str
+    shape: Optional[str]
+    batches: tuple = ()  # plain decoding at these rows
+    oracle: tuple = ()  # MTP (oracle) runs (K, B)
+    parts: tuple = ()  # of "prefill", "peers"; or ("demo",)
+    estimate_s: float = 60.0
+
+
+MTP_B1 = tuple((k, 1) for k in range(1, 7)) + (("auto", 1),)
+# In order of value (issue 36): the 31B at B = 1, the 26B-A4B at B = 1 and 8, then the rest; together
+# they measure every figure of every shape.
+STAGES = (
+    Stage("31b", "31b", (1,), MTP_B1, estimate_s=80),
+    Stage("26b-a4b", "26b-a4b", (1, 8), ((3, 1), ("auto", 1), ("auto", 8)), estimate_s=100),
+    Stage("31b-batch", "31b", (4, 8), ((3, 4), ("auto", 4), ("auto", 8)), estimate_s=40),
+    Stage("26b-a4b-batch", "26b-a4b", (4, 16), ((1, 1), (2, 1), (4, 1), (5, 1), (6, 1), (3, 4), ("auto", 4)),
+          estimate_s=70),
+    Stage("prefill", None, parts=("prefill",), estimate_s=60),
+    Stage("peers", None, parts=("peers",), estimate_s=120),
+    Stage("e4b", "e4b", BATCHES, tuple(ORACLE_RUNS), parts=("prefill", "peers"), estimate_s=150),
+    Stage("demo", None, parts=("demo",), estimate_s=40),
+)
+
+
+class Suite:
+    """One run: the shapes built on first use and kept, their prompts and plain runs (which the MTP
+    runs are checked against), the results so far (saved after every stage on a GPU)."""
+
+    def __init__(self, args, sizes: Sizes, res: dict, log):
+        self.args, self.sizes, self.res, self.log = args, sizes, res, log
+        self.built: dict = {}
+        self.plain: dict = {}  # (shape, B) -> plain run
+        self.copy_rate = res["bandwidth"]["bytes_per_s"]
+
+    def name(self, shape: str) -> str:
+        """The shape a stage's released shape stands for in this run (--smoke: the tiny fixtures)."""
+        return STAND_IN[shape] if self.args.smoke else shape
+
+    def model(self, shape: str) -> dict:
+        """The shape's pair, built on first use, with its first requests timed (compilation and all,
+        then warm)."""
+        if shape in self.built:
+            return self.built[shape]
+        target_config, drafter_config, provenance = sources(shape)
+        started = time.perf_counter()
+        target, config, weights = inmemory.build(target_config, BITS, seed=0)
+        drafter, d_config, d_weights = inmemory.build(drafter_config, BITS, seed=1)
+        drafter.check_target(target)
+        out = self.res["shapes"].setdefault(shape, {})
+        out.update(assistant_config=provenance, build_s=time.perf_counter() - started,
+                   target_gib=nbytes(target) / GiB, assistant_gib=nbytes(drafter) / GiB,
+                   moe=bool(target.config.enable_moe_block), layers=target.config.num_hidden_layers,
+                   prefill={}, decode={}, mtp={})
+        self.log(f"{shape}: built in {out['build_s']:.1f} s ({out['target_gib']:.2f} + {out['assistant_gib']:.2f} GiB)")
+        rng = np.random.default_rng(self.args.seed)
+        ids = lambda n: rng.integers(4, target.vocab_size, n).tolist()  # noqa: E731
+        out["first_token_after_load_s"] = first_token(target, ids(self.sizes.first_prompt))
+        out["first_token_warm_s"] = first_token(target, ids(self.sizes.first_prompt))
+        self.log(f"  first token after load {out['first_token_after_load_s']:.2f} s, warm "
+                 f"{out['first_token_warm_s']:.2f} s")
+        prompts = [ids(self.sizes.context) for _ in range(max(MOE_BATCHES))]
+        self.built[shape] = dict(target=target, drafter=drafter, weights=(config, weights),
+                                 drafter_weights=(d_config, d_weights), prompts=prompts, ids=ids, out=out)
+        return self.built[shape]
+
+    def tokens(self, B: int) -> int:
+        return self.sizes.tokens if B == 1 else self.sizes.batch_tokens
+
+    def plain_run(self, shape: str, B: int) -> dict:
+        key = (shape, B)
+        if key not in self.plain:
+            m = self.model(shape)
+            run = self.plain[key] = plain_run(m["target"], m["prompts"][:B], self.tokens(B))
+            union = union_per_layer(m["target"], m["prompts"][:B], 4) if m["out"]["moe"] else None
+            read = step_bytes(m["target"], B, self.sizes.context + self.tokens(B) // 2, union)
+            d = m["out"]["decode"][B] = dict(
+                tok_s=run["tok_s"], step_s=run["step_s"], bytes_per_step=read,
+                roofline=read / self.copy_rate / run["step_s"], union_per_layer=union,
+                union_mean=float(np.mean(union)) if union else None)
+            self.log(f"  plain B={B}: {d['tok_s']:.1f} tok/s, {100 * d['roofline']:.0f}% of the roofline"
+                     + (f", expert union {d['union_mean']:.1f}" if union else ""))
+        return self.plain[key]
+
+    def oracle(self, shape: str, k, B: int) -> None:
+        m, plain = self.model(shape), self.plain_run(shape, B)
+        truths = plain["tokens"]
+        r = oracle_run(m["target"], m["drafter"], m["prompts"][:B], truths, k, self.args.p, len(truths[0]), plain)
+        m["out"]["mtp"][f"K={k},B={B}"] = r
+        self.log(f"  MTP oracle p={self.args.p} K={k} B={B}: {r['speedup']:.2f}x plain, round = "
+                 f"{r['round_in_plain_steps']:.2f} plain steps, equals plain: {r['equals_plain']}")
+
+    def prefill(self, shape: str) -> None:
+        m = self.model(shape)
+        for n in prefill_lengths(self.args, self.sizes):
+            seconds = first_token(m["target"], m["ids"](n))
+            m["out"]["prefill"][n] = dict(seconds=seconds, tok_s=n / seconds)
+            self.log(f"  {shape} prefill {n}: {n / seconds:.0f} tok/s")
+
+    def peers(self, shape: str) -> None:
+        m = self.model(shape)
+        plain = {B: self.plain_run(shape, B) for B in peers.BATCHES}
+        m["out"]["peers"] = peers.compare(m["target"], m["drafter"], m["weights"], m["drafter_weights"],
+                                          m["prompts"], plain, PEER_K, self.tokens, self.log)
+
+    def run(self, stage: Stage) -> None:
+        started = time.perf_counter()
+        kernels.dispatch.decisions.clear()
+        shapes = [self.name(stage.shape)] if stage.shape else list(self.built)
+        if stage.parts == ("demo",):
+            self.res["demo"], shapes = bench_demo(self.sizes, self.log), []
+        for shape in shapes:
+            for B in stage.batches:
+                self.plain_run(shape, B)
+            for k, B in stage.oracle:
+                self.oracle(shape, k, B)
+            for part in stage.parts:
+                if not (part == "peers" and self.args.no_peers):
+                    getattr(self, part)(shape)
+        ran = kernels.dispatch.summary()
+        for shape in shapes if ran else ():
+            self.res["shapes"][shape]["kernels_ran"] = ran
+        self.res["stages"][stage.name] = dict(seconds=time.perf_counter() - started, kernels=ran or None)
+        self.log(f"stage {stage.name}: {self.res['stages'][stage.name]['seconds']:.0f} s"
+                 + (f"; kernels: {ran}" if ran else ""))
+
+
+def chosen_stages(args) -> list:
+    """The stages `--stages` names (default: all), those of the `--shapes` chosen, in order of value."""
+    names = [n for n in (getattr(args, "stages", None) or "").split(",") if n]
+    unknown = set(names) - {s.name for s in STAGES}
+    if unknown:
+        raise SystemExit(f"unknown stage(s) {', '.join(sorted(unknown))}; choose from "
+                         f"{', '.join(s.name for s in STAGES)}")
+    shapes = [s for s in (args.shapes or "").split(",") if s]
+    skipped = ({"peers"} if args.no_peers else set()) | ({"demo"} if args.no_demo else set())
+    return [s for s in STAGES if (not names or s.name in names) and s.name not in skipped
+            and (s.shape is None or not shapes or s.shape in shapes or STAND_IN[s.shape] in shapes)]
 
 
 # ---- the demo pair ---------------------------------------------------------------------------------
@@ -248,33 +349,43 @@ def run_gpu(args, log=print) -> dict:
 
 def _run_gpu(args, log) -> dict:
     sizes = SMOKE if args.smoke else REAL
-    shapes = tuple(s for s in args.shapes.split(",") if s) if args.shapes else sizes.shapes
     device = Device.current()
     started = time.perf_counter()
+    cache = jit.KernelCache.open(getattr(args, "kernel_cache", None))
+    watch = jit.watch_compiles(lambda n: log(f"compiling GPU kernels (first run on this machine): {n} so far"))
     res = dict(mode="gpu", smoke=args.smoke, card=card(), backend=BACKENDS[device.backend],
-               mlx=mx.__version__, p=args.p, bits=BITS, sizes=sizes.__dict__, shapes={}, kernels=kernels.mode(),
-               bandwidth=bandwidth(sizes.copy_bytes))
+               mlx=mx.__version__, p=args.p, bits=BITS, sizes=sizes.__dict__, shapes={}, stages={},
+               kernels=kernels.mode(), bandwidth=bandwidth(sizes.copy_bytes), budget_s=args.budget)
     log(f"{res['card']}, MLX {res['backend']} backend: "
         f"copy bandwidth {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s")
-    for shape in shapes:
-        kernels.dispatch.decisions.clear()
-        res["shapes"][shape] = bench_shape(shape, sizes, args, res["bandwidth"]["bytes_per_s"], log)
-        res["shapes"][shape]["kernels_ran"] = kernels.dispatch.summary()
-        log(f"  kernels: {res['shapes'][shape]['kernels_ran'] or 'MLX only'}")
-        if device.gpu and not args.smoke:
+    suite = Suite(args, sizes, res, log)
+    for stage in chosen_stages(args):
+        left = args.budget - (time.perf_counter() - started) if args.budget else None
+        need = stage.estimate_s * sizes.estimate_scale
+        if left is not None and need > left:
+            res["stages"][stage.name] = dict(skipped=f"needs ~{need:.0f} s, {max(left, 0):.0f} s left")
+            log(f"stage {stage.name}: skipped (needs ~{need:.0f} s of the budget, {max(left, 0):.0f} s left)")
+            continue
+        suite.run(stage)
+        res["kernel_cache"] = cache.report()
+        if saving(args, device):
             save(res, args)  # what is measured so far survives a run cut short
-        gc.collect()
-        mx.clear_cache()
-    if not args.no_demo:
-        res["demo"] = bench_demo(sizes, log)
+    watch()
     res["seconds"] = time.perf_counter() - started
+    res["kernel_cache"] = cache.report()
+    log(f"kernels: {res['kernel_cache']}")
     res["mismatches"] = [f"{shape} MTP {key} differs from plain" for shape, r in res["shapes"].items()
-                         for key, m in r["mtp"].items() if not m["equals_plain"]]
+                         for key, m in r.get("mtp", {}).items() if not m["equals_plain"]]
     res["mismatches"] += [f"demo auto B={B} differs from plain" for B, r in res.get("demo", {}).items()
                           if not r["equals_plain"]]
-    if device.gpu and not args.smoke:
+    if saving(args, device):
         res["saved"] = str(save(res, args))
     return res
+
+
+def saving(args, device) -> bool:
+    """Whether the run's JSON goes to --results-dir (a GPU's run, not a smoke run)."""
+    return device.gpu and not args.smoke
 
 
 def save(res: dict, args) -> Path:
@@ -289,6 +400,12 @@ def save(res: dict, args) -> Path:
 # ---- the report ------------------------------------------------------------------------------------
 
 
+def _cache(c: Optional[dict]) -> str:
+    if not c:
+        return "-"
+    return f"{c['found']} kernels found in {c['folder']}, {c['compiled']} compiled by this run"
+
+
 def _x(value) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -296,8 +413,8 @@ def _x(value) -> str:
 def figures(r: dict) -> dict:
     """One shape's figures as text, in table order."""
     out = {"weights, target + assistant (GiB)": f"{r['target_gib']:.2f} + {r['assistant_gib']:.2f}",
-           "built in memory (s); the whole shape (s)": f"{r['build_s']:.1f}; {r['seconds']:.0f}",
-           "first token after load (s)": f"{r['first_token_after_load_s']:.2f}"}
+           "built in memory (s)": f"{r['build_s']:.1f}",
+           "first token after load; warm (s)": f"{r['first_token_after_load_s']:.2f}; {r['first_token_warm_s']:.2f}"}
     for n, p in r["prefill"].items():
         out[f"prefill {n} tokens (tok/s)"] = f"{p['tok_s']:.0f}"
     for B, d in r["decode"].items():
@@ -333,6 +450,11 @@ def gpu_md(res: dict) -> str:
            f"roofline = bytes a decode step reads / that bandwidth / the measured step. Whole run "
            f"{res['seconds']:.0f} s." + (f" JSON: `{res['saved']}`." if res.get("saved") else ""), "",
            table(["figure", *res["shapes"]], shape_rows(res["shapes"])), ""]
+    out += ["Stages, in order of value" + (f" (budget {res['budget_s']:.0f} s)" if res.get("budget_s") else "")
+            + f"; MLX's kernel cache: {_cache(res.get('kernel_cache'))}:", "",
+            table(["stage", "seconds", "kernels"], [[name, f"{st['seconds']:.0f}" if "seconds" in st else
+                                                     f"skipped: {st['skipped']}", st.get("kernels") or "-"]
+                                                    for name, st in res.get("stages", {}).items()]), ""]
     ran = [f"- {shape}: {r['kernels_ran']}" for shape, r in res["shapes"].items() if r.get("kernels_ran")]
     if ran:
         out += [f"Kernels (`--kernels {res.get('kernels', 'auto')}`), per family, with the products that took "

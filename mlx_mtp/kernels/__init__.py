@@ -45,6 +45,13 @@ def switch_glu(glu, x: mx.array, idx: mx.array) -> Optional[mx.array]:
     return glu_experts(glu, x, idx)
 
 
+def prefill_experts(glu, idx: mx.array) -> bool:
+    """Whether a SwitchGLU's experts over a prompt chunk go by expert (one product per used expert)
+    instead of MLX's gather_qmm, which re-reads an expert per (token, expert) pair on CUDA."""
+    k = idx.shape[-1]
+    return not dispatch.prefill_experts(idx.size // k, glu)
+
+
 def glu_experts(glu, x: mx.array, idx: mx.array) -> mx.array:
     """`switch_glu` on mlx_mtp's kernels, whatever the dispatch would say: gate and up in one pass
     with the activation, then down."""
@@ -64,4 +71,5 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     return sdpa.attention(q, keys, values, mask)
 
 
-__all__ = ["attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "qmm", "switch_glu", "using"]
+__all__ = ["attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
+           "using"]

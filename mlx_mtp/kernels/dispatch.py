@@ -97,6 +97,15 @@ def experts(tokens: int, top_k: int, x_dtype: mx.Dtype, glu) -> str:
     return _why_not("MoE experts", reason)
 
 
+def prefill_experts(tokens: int, glu) -> str:
+    """Why a SwitchGLU's experts over a prompt chunk of `tokens` keep MLX's gather_qmm ('' where they
+    go by expert)."""
+    reason = "" if tokens > qmm.MAX_ROWS else f"{tokens} tokens (a decode step)"
+    if not reason and any("scales" not in p for p in (glu.gate_proj, glu.up_proj, glu.down_proj)):
+        reason = "unquantized experts"
+    return _why_not("MoE experts by expert (prompt)", reason)
+
+
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array], scale: float) -> str:
     """Why an attention keeps MLX's scaled_dot_product_attention ('' if it takes ours)."""
     return _why_not("attention", sdpa.supports(q, keys, values, mask, scale))

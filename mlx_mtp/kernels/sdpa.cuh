@@ -1,15 +1,17 @@
-// Attention for decode and verify steps: 1-8 query positions per sequence against the KV cache,
-// each query row reduced in an order that depends only on the key slots, never on how many query
-// rows there are, so a verify's row equals the decode step it stands for.
+// Attention for decode and verify steps (1-8 query positions per sequence against the KV cache) and
+// for prompt chunks, each query row reduced in an order that depends only on the key slots, never
+// on how many query rows there are: a verify's row equals the decode step it stands for, and a
+// prompt's rows are the same however it is cut into chunks.
 //
 // q (B, Hq, L, D), keys and values (B, Hkv, T, D), mask (B, 1, L, T) bool (true: visible), scale 1.
 // A warp owns one query row (a head of the K/V head's group at one position) and walks the keys
 // of its split (SPLIT slots, fixed) 32 at a time: each lane holds D / 32 dimensions, the 32 keys'
 // partial dot products are summed by a butterfly that leaves key j's score on lane j, then an
 // online softmax step (chunk max, rescale, p = exp(s - m)) and p @ V over the chunk in key order.
-// Splits are combined in split order by `mtp_attention_combine`. A chunk with no visible key
-// changes nothing, and a split with none contributes exactly zero, so slots past the last written
-// one (buffers of other lengths) do not change a row's result either.
+// Splits are combined in split order by `mtp_attention_combine` (a prompt chunk, with rows enough to
+// fill the GPU, takes one split: SPLIT past any buffer). A chunk with no visible key is skipped, and
+// a split with none contributes exactly zero, so slots past the last written one (buffers of other
+// lengths) do not change a row's result either.
 #pragma once
 
 // DPL = D / 32 values of a row of `p` (T) from lane's offset, as floats.
@@ -88,6 +90,9 @@ MTP_DEVICE void mtp_attention_split(const T* q, const T* keys, const T* values, 
   float m = -::mtp_inf(), sum = 0.0f;
   const int stop = Tk < (split + 1) * SPLIT ? Tk : (split + 1) * SPLIT;
   for (int key0 = split * SPLIT; key0 < stop; key0 += 32) {
+    const int key = key0 + lane;
+    const bool visible = key < stop && (!MASK || mrow[key]);
+    if (!::mtp_ballot(visible)) continue;  // nothing visible in this chunk: no change at all
     float dots[32];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {  // branch-free, so that dots[] stays in registers
@@ -99,12 +104,9 @@ MTP_DEVICE void mtp_attention_split(const T* q, const T* keys, const T* values, 
       for (int i = 0; i < DPL; ++i) dot = fmaf(qv[i], kr[i], dot);
       dots[j] = key0 + j < stop ? dot : 0.0f;
     }
-    const int key = key0 + lane;
-    const bool visible = key < stop && (!MASK || mrow[key]);
     float s = mtp_transpose_sum(dots, lane);  // every lane takes part, visible or not
     if (!visible) s = -::mtp_inf();
     const float top = mtp_warp_max(s);
-    if (top == -::mtp_inf()) continue;  // nothing visible in this chunk: no change at all
     const float m_new = fmaxf(m, top), scale = ::mtp_exp(m - m_new);
     const float p = visible ? ::mtp_exp(s - m_new) : 0.0f;
     sum = sum * scale + mtp_warp_sum(p);

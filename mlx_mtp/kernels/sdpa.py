@@ -1,7 +1,9 @@
-"""Attention for decode and verify steps on NVIDIA GPUs (`sdpa.cuh`): 1-8 query positions per
-sequence at any head_dim multiple of 64 (Gemma 4: 256 and 512), each query row reduced in an order
-that depends only on the key slots, so a verify's row equals the decode step it stands for.
-`reference` is what it computes, in MLX ops, to test against.
+"""Attention on NVIDIA GPUs (`sdpa.cuh`) at any head_dim multiple of 64 (Gemma 4: 256 and 512): for
+decode and verify steps (1-8 query positions per sequence), and for prompt chunks at the head_dims
+cuDNN does not take (over 128: MLX's composed path would hold the whole score matrix), each query
+row reduced in an order that depends only on the key slots: a verify's row equals the decode step it
+stands for, and a prompt's rows are the same however it is cut into chunks. `reference` is what it
+computes, in MLX ops, to test against.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import mlx.core as mx
 from .qmm import name
 from .source import Kernel
 
-MAX_QUERIES = 8
+MAX_QUERIES = 8  # a decode step or a verify; more: a prompt chunk
+PROMPT_HEAD_DIM = 256  # from this head_dim a prompt chunk takes this kernel too
 DTYPES = (mx.bfloat16, mx.float16)
 ROWS = 8  # query rows (warps) per block
+WHOLE = 1 << 30  # a prompt chunk's split: every key slot (its rows fill the GPU without splitting the keys)
 
 _SPLIT = Kernel("mtp_attention", "sdpa.cuh", ["q", "keys", "values", "mask"], ["out", "stats", "acc"],
                 "mtp_attention_split<T, D, SPLIT, ROWS, MASK, SINGLE>(q, keys, values, mask, out, stats, acc, "
@@ -32,8 +36,8 @@ def split(head_dim: int) -> int:
 def supports(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array], scale: float) -> str:
     """Why this kernel cannot take an attention ('' when it can)."""
     B, Hq, L, D = q.shape
-    if not 0 < L <= MAX_QUERIES or keys.shape[2] == 0:
-        return f"{L} query positions over {keys.shape[2]} slots"
+    if not 0 < L <= MAX_QUERIES and not (L > 0 and D >= PROMPT_HEAD_DIM) or keys.shape[2] == 0:
+        return f"{L} query positions over {keys.shape[2]} slots at head_dim {D}"
     if q.dtype not in DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         return f"{name(q.dtype)} queries with {name(keys.dtype)} keys"
     if D % 64 or D > 512 or values.shape[-1] != D or keys.shape[0] != B or Hq % keys.shape[1]:
@@ -50,7 +54,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     mask (B, 1, L, T) bool or None. Returns (B, Hq, L, D)."""
     B, Hq, L, D = q.shape
     Hkv, T = keys.shape[1], keys.shape[2]
-    size = split(D)
+    size = split(D) if L <= MAX_QUERIES else WHOLE
     splits = -(-T // size)
     single = splits == 1  # the output itself; else each split's partial results, then `_COMBINE`
     rows = Hq // Hkv * L

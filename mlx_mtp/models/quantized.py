@@ -305,6 +305,8 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
         if floating:  # float32 where loading widened it for the backend
             return glu(x.astype(w.dtype), idx).astype(x.dtype)
         y = kernels.switch_glu(glu, x, idx)
+        if y is None and kernels.prefill_experts(glu, idx):  # a prompt chunk on CUDA: grouped by expert
+            return grouped_glu(glu, x, idx, x.dtype, gpu=True)
         return glu(x, idx) if y is None else y
     dtype = w.dtype if floating else mx.float32
     sizes = ragged_sizes(idx.size // idx.shape[-1])
@@ -318,27 +320,39 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
 
 
 def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
-                tokens: Optional[int] = None) -> mx.array:
-    """The CPU path of `switch_glu`: rows grouped by expert, one product per used expert and
-    projection, so the cost follows the rows (gather_qmm's grows with their square); the experts
-    dealt out to this thread's CPU streams. Reads the router's choice on the host: the forward
-    waits for it here. `tokens`: per row of the forward (default: the running forward's)."""
+                tokens: Optional[int] = None, gpu: bool = False) -> mx.array:
+    """`switch_glu` with the rows grouped by expert, one product per used expert and projection, so
+    the cost follows the rows (gather_qmm's grows with their square, and on CUDA it launches past the
+    grid's limit from 8,192 tokens x top-8). The CPU's path (the experts dealt out to this thread's
+    CPU streams), and a GPU's for prompt chunks (`gpu`: MLX's quantized matmul in the activations'
+    dtype). Reads the router's choice on the host: the forward waits for it here. `tokens`: per row
+    of the forward (default: the running forward's)."""
     k, tokens = idx.shape[-1], tokens or _tokens_per_row(idx)
     flat = np.array(idx).reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
     experts, starts = np.unique(flat[order], return_index=True)
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
-    streams, outs = _streams_for(glu.up_proj.weight.shape[1] * x.shape[-1]), []  # one expert projection's weights
+    expert = _expert_gpu if gpu else _expert
+    weights = glu.up_proj.weight.shape[1] * x.shape[-1]  # one expert projection's
+    streams = [mx.default_stream(mx.default_device())] if gpu else _streams_for(weights)
+    outs = []
     for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
         with mx.stream(streams[i % len(streams)]):
             xe = rows[start:end]
-            h = glu.activation(_expert(glu.up_proj, e, xe, tokens), _expert(glu.gate_proj, e, xe, tokens))
-            outs.append(_expert(glu.down_proj, e, h, tokens))
-        if tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
+            h = glu.activation(expert(glu.up_proj, e, xe, tokens), expert(glu.gate_proj, e, xe, tokens))
+            outs.append(expert(glu.down_proj, e, h, tokens))
+        if not gpu and tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
             mx.eval(outs[-len(streams):])  # a prompt chunk's dequantised experts: a round at a time
     y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
     return y.reshape(*idx.shape, -1)
+
+
+def _expert_gpu(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+    """One quantized expert of a QuantizedSwitchLinear on rows x, on MLX's GPU kernels."""
+    biases = layer.get("biases")
+    return mx.quantized_matmul(x, layer["weight"][e], layer["scales"][e], None if biases is None else biases[e], True,
+                               layer.group_size, layer.bits, mode=layer.mode)
 
 
 def _expert(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
