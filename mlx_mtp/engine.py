@@ -25,20 +25,23 @@ at a time. The request types live in `requests`.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import os
 import queue
 import threading
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from . import chat_format, memory
 from .admission import Admission
 from .batch import BatchGenerator, check_fits
 from .chat_format import Prompt
 from .grammar import Grammar, vocabulary
+from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .history import History, Replies, Turn
+from .loading import load_drafter
 from .output import Output
 from .prefix_cache import PrefixCache
 from .prefix_disk import open_disk_tier
@@ -64,6 +67,18 @@ class _Running:
     history: Optional[History] = None
     turn: Optional[Turn] = None
     kv_bytes: int = 0
+    prompt: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class _Swap:
+    """A drafter (or its directory, loaded on the worker) to put in service once the rows running on the
+    old one have finished."""
+
+    drafter: Any
+    done: concurrent.futures.Future
+    conversation_id: Optional[int] = None
+    checked: bool = False
 
 
 @dataclasses.dataclass
@@ -95,6 +110,13 @@ class Engine:
         prompt_cache_dir: a directory where the prefix cache also keeps its states, for later
             requests and later processes (`mlx_mtp.prefix_disk`); None: memory only.
         prompt_cache_disk_bytes: the directory's budget (default 16 GiB), least recently used out first.
+        learn_dir: keep each finished request's token ids and the drafter's counts on it here
+            (`mlx_mtp.capture`), for adapting the drafter (`mlx_mtp.learn`); None: nothing is kept.
+            `Request(learn=False)` opts a request out.
+        learn_bytes: the directory's budget (oldest requests out first; default: none).
+        learn_every: with `drafter_dir` (the unquantized drafter in service), adapt the drafter
+            after this many new requests, a piece at a time while the engine is idle, and put it in
+            service if it is better (`learn.Learner`).
 
     Conversations live in the engine and share the model; the states of each one's latest turn
     stay in the prefix cache until `close_conversation`. Cancelling a conversation request keeps
@@ -106,7 +128,9 @@ class Engine:
     def __init__(self, loaded, max_batch: int = 8, max_queue: Optional[int] = None, prefill_chunk: int = 512,
                  memory_limit: Optional[int] = None, draft_tokens: Union[int, str] = "auto",
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir=None,
-                 prompt_cache_disk_bytes: Optional[int] = None, prefill_tokens: Optional[int] = None):
+                 prompt_cache_disk_bytes: Optional[int] = None, prefill_tokens: Optional[int] = None,
+                 learn_dir=None, learn_bytes: Optional[int] = None, learn_every: Optional[int] = None,
+                 drafter_dir=None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.loaded = loaded
@@ -136,6 +160,8 @@ class Engine:
         self._metrics = {"requests_total": 0, "requests_waiting": 0, "requests_running": 0}
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token -> its text and bytes (worker side)
         self._call_token = chat_format.token_id(loaded.tokenizer, chat_format.TOOL_CALL)  # banned where asked
+        self._learner = None if learn_dir is None else _learner(learn_dir, learn_bytes, learn_every, drafter_dir,
+                                                               loaded, self.swap_drafter, prefill_chunk)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mlx_mtp-engine", daemon=True)
         self._thread.start()
@@ -349,18 +375,53 @@ class Engine:
             with self._lock:
                 self._conversations.clear()
             self._prefix.clear()  # free the cached states on this thread
+            if self._learner is not None:
+                self._learner.capture.close()
 
     def _generator(self) -> BatchGenerator:
         loaded = self.loaded
         return BatchGenerator(loaded.target, loaded.drafter, prefix_cache=self._prefix, **self._options)
+
+    def swap_drafter(self, drafter) -> concurrent.futures.Future:
+        """Put `drafter` (an MTP drafter of this target, or its directory) in service for the requests that
+        start from now; those running finish on the old one. The future is done once it is in service, or
+        holds the error that kept it out (a bad directory, a drafter of another target)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Swap(drafter, done))
+        return done
+
+    def _ready(self, swap: _Swap) -> bool:
+        """Load and check the drafter at once (on this thread, which owns MLX), so an error is told
+        without waiting for the running rows."""
+        try:
+            if isinstance(swap.drafter, (str, os.PathLike)):
+                swap.drafter = load_drafter(swap.drafter, self.loaded.target)
+            swap.drafter.check_target(self.loaded.target)
+        except (OSError, ValueError) as e:
+            swap.done.set_exception(e)
+            return False
+        swap.checked = True
+        return True
+
+    def _swap(self, swap: _Swap) -> None:
+        drafter = swap.drafter
+        if isinstance(self.loaded.drafter, HybridDrafter):  # the same kind of drafting, with the new model
+            drafter = HybridDrafter(MTPProposer(drafter, self.loaded.target), NgramDrafter())
+        self.loaded = self.loaded._replace(drafter=drafter)
+        self._gen = self._generator()  # the prefix cache (target K/V) stays
+        swap.done.set_result(True)
 
     def _forget(self, history: History) -> None:
         history.reset()
         self._gen.release(history.key)
 
     def _take_inbox(self) -> bool:
-        """Move new requests and commands to the waiting line; block only when idle."""
+        """Move new requests and commands to the waiting line; block only when idle (and no
+        adaptation of the drafter wants the idle time: it takes a step per loop instead)."""
         idle = not self._gen.busy and not self._waiting
+        if idle and self._learner is not None and self._learner.wants_time():
+            self._learner.step()
+            idle = False
         while True:
             try:
                 item = self._inbox.get(block=idle)
@@ -383,7 +444,15 @@ class Engine:
                 still.append(item)
                 busy.add(key)
                 continue
-            if isinstance(item, _Command):
+            if isinstance(item, _Swap):
+                if not item.checked and not self._ready(item):
+                    continue
+                if self._running or blocked:  # the running rows finish on the old drafter
+                    still.append(item)
+                    blocked = True
+                    continue
+                self._swap(item)
+            elif isinstance(item, _Command):
                 self._command(item.run)
             elif not item.finished and not self._start(item):
                 still.append(item)
@@ -417,7 +486,7 @@ class Engine:
             handle._finish(ErrorEvent(e))
             return True
         output = self._output(handle.request, prepared.chat)
-        self._running[uid] = _Running(handle, output, history, turn, need)
+        self._running[uid] = _Running(handle, output, history, turn, need, prepared.tokens)
         handle.prompt_tokens = len(prepared.tokens)
         if not handle._start():  # cancelled meanwhile: its row ends at the next step
             self._gen.cancel(uid)
@@ -496,6 +565,8 @@ class Engine:
                 run.history.end(run.turn, run.output.tokens)
         elif run.handle.request.messages is not None and run.output.tokens:
             self._replies.record(run.output.tokens)  # a history sent back with it renders it as generated
+        if self._learner is not None and run.handle.request.learn and run.output.tokens:
+            self._learner.finished(run.prompt, run.output.tokens, getattr(event, "stats", None))
         run.handle._finish(event)
         with self._lock:
             self._live.discard(run.handle)
@@ -522,3 +593,9 @@ class Engine:
             command()
         except Exception:
             log.exception("engine command %r failed", command)
+
+
+def _learner(*args):
+    from .learn import Learner  # the training code loads only where it is used
+
+    return Learner(*args)

@@ -247,15 +247,22 @@ def load(
     if str(drafter) == "ngram":
         draft = NgramDrafter()
     elif drafter is not None:
-        draft, draft_config, _ = load_model(drafter, dtype=dtype)
-        if draft_config.get("model_type") != DRAFTER_TYPE:
-            raise ModelKindError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP "
-                                 f"drafter ({DRAFTER_TYPE})")
-        draft.check_target(target)
+        draft = load_drafter(drafter, target, dtype)
         if ngram:
             draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())
     tokenizer = load_tokenizer(path)
     return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer))
+
+
+def load_drafter(drafter: Union[str, Path], target, dtype: Optional[mx.Dtype] = None) -> nn.Module:
+    """The MTP drafter at `drafter` (a directory or hub id), checked against `target` (ModelKindError,
+    ValueError as `load` says)."""
+    draft, draft_config, _ = load_model(drafter, dtype=dtype)
+    if draft_config.get("model_type") != DRAFTER_TYPE:
+        raise ModelKindError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP "
+                             f"drafter ({DRAFTER_TYPE})")
+    draft.check_target(target)
+    return draft
 
 
 def load_tokenizer(path: Path):

@@ -78,6 +78,7 @@ class Request:
     fit_max_tokens: bool = False
     stop: Sequence[str] = ()
     parallel_tool_calls: bool = True
+    learn: bool = True  # an Engine that keeps served requests (learn_dir) keeps this one's ids
 
     def check(self) -> None:
         if self.conversation is not None:

@@ -18,22 +18,27 @@ ROWS, K = 4000, 2
 GROUPS = (SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.7, top_p=0.9))
 
 
-def setup():
+def setup(n: int = ROWS):
     target, ref = tiny_target("dense"), reference("dense")
     prompt, bonus = ref["prompt"].tolist(), int(ref["greedy"][0])
-    cache = target.make_cache(ROWS, max_rollback=2 * K + 2)
-    out = target(mx.array([prompt] * ROWS), cache)
-    seeds = mx.array(np.random.default_rng(0).integers(0, 2**32, ROWS), dtype=mx.uint32)
-    state = BatchState(mx.full((ROWS,), bonus, dtype=mx.int32), out.hidden[:, -1], seeds)
+    cache = target.make_cache(n, max_rollback=2 * K + 2)
+    out = target(mx.array([prompt] * n), cache)
+    seeds = mx.array(np.random.default_rng(0).integers(0, 2**32, n), dtype=mx.uint32)
+    state = BatchState(mx.full((n,), bonus, dtype=mx.int32), out.hidden[:, -1], seeds)
     return target, prompt + [bonus], cache, state
 
 
 def test_mtp_sampled_tokens_follow_each_rows_target_distribution():
-    target, context, cache, state = setup()
-    drafter = MTPProposer(tiny_drafter("dense"), target)
-    params = tuple(GROUPS[i % 2] for i in range(ROWS))
-    plan = Plan(params, (K,) * ROWS)
-    emitted = [[] for _ in range(ROWS)]
+    check_sampling_is_exact(tiny_drafter("dense"))
+
+
+def check_sampling_is_exact(drafter_model, rows_total: int = ROWS):
+    """Sampled MTP rounds with `drafter_model` (test_learn: an adapted one) against the exact laws."""
+    target, context, cache, state = setup(rows_total)
+    drafter = MTPProposer(drafter_model, target)
+    params = tuple(GROUPS[i % 2] for i in range(rows_total))
+    plan = Plan(params, (K,) * rows_total)
+    emitted = [[] for _ in range(rows_total)]
     first_accepted = None
     while min(len(e) for e in emitted) < 2:
         state, out = run_round(target, drafter, cache, state, plan)
@@ -45,9 +50,9 @@ def test_mtp_sampled_tokens_follow_each_rows_target_distribution():
 
     nxt = target(mx.array([context + [x] for x in range(128)])).logits[:, -1]
     last = target(mx.array([context])).logits[0, -1]
-    q1 = first_draft_logits(target, tiny_drafter("dense"), context)
+    q1 = first_draft_logits(target, drafter_model, context)
     for g, sampling in enumerate(GROUPS):
-        rows = np.arange(g, ROWS, 2)
+        rows = np.arange(g, rows_total, 2)
         p1 = np.array(probs(last, sampling))  # exact laws: p1(x), p2(y) = sum_x p1(x) p(y | x)
         p2 = p1 @ np.array(probs(nxt, sampling))
         for tokens, law in ((first[rows], p1), (second[rows], p2)):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY, tiny_target
-from apps import train_drafter as td
+from apps import train_drafter
+from mlx_mtp import distill as td
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.stats import Stats
@@ -99,7 +100,7 @@ def test_cli_adapts_an_existing_drafter(tmp_path):
     """`python -m apps.train_drafter --init DIR`: adapt the fixture drafter on .npy token ids."""
     stream, _ = greedy_text()
     np.save(tmp_path / "ids.npy", stream.astype(np.uint16))
-    log = td.main(["--target", str(TINY / "dense" / "target"), "--init", str(TINY / "dense" / "drafter"),
+    log = train_drafter.main(["--target", str(TINY / "dense" / "target"), "--init", str(TINY / "dense" / "drafter"),
                    "--data", str(tmp_path / "ids.npy"), "--val-data", str(tmp_path / "ids.npy"),
                    "--out", str(tmp_path / "adapted"), "--steps", "5", "--seq", "32", "--batch", "4",
                    "--log-every", "5"])

@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize,gpu,kernels,prefill} [options]`
+structured,mixed,realsize,gpu,kernels,learn,prefill} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
@@ -28,6 +28,7 @@ MODES = {
     "realsize": ("realsize", "run_realsize"),
     "gpu": ("gpu", "run_gpu"),
     "kernels": ("kernels", "run_kernels"),
+    "learn": ("learn", "run_learn"),
     "prefill": ("prefill", "run_prefill"),
 }
 
@@ -262,6 +263,30 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--quick", action="store_true", help="fewer row counts")
     n.add_argument("--smoke", action="store_true", help="tiny shapes (wherever the kernels run)")
     n.set_defaults(repeats=5)
+
+    L = sub.add_parser("learn", help="the demo drafter adapted to served traffic of a kind it never saw: "
+                                     "acceptance before and after, wall clock (issue 37)")
+    common(L, "learn")
+    L.add_argument("--requests", type=int, default=2000, help="tool-call transcripts served and kept")
+    L.add_argument("--max-tokens", type=int, default=48, help="tokens per reply")
+    L.add_argument("--temperature", type=float, default=0.8, help="of the served replies (seeded per request)")
+    L.add_argument("--captures", help="a working directory to reuse: the tuned target, the captured requests "
+                                      "(served into when short of --requests), the adapted drafter")
+    L.add_argument("--tune-steps", type=int, default=40,
+                   help="fine-tune the demo target on tool-call transcripts first, so that it answers them in "
+                        "kind (0: the shipped target, which answers every prompt with stdlib-style code)")
+    L.add_argument("--steps", type=int, default=300)
+    L.add_argument("--minutes", type=float, default=8.0,
+                   help="the adaptation's training time cap (measuring before and after comes on top)")
+    L.add_argument("--seq", type=int, default=128)
+    L.add_argument("--batch", type=int, default=4)
+    L.add_argument("--lr", type=float, default=1e-3)
+    L.add_argument("--seed", type=int, default=0)
+    L.add_argument("--wall-prompts", type=int, default=12, help="held-out prompts timed at B = 1")
+    L.add_argument("--real-step", metavar="SHAPES", help="instead: one distillation step of these released "
+                                                          "assistants (31b,26b-a4b) at real size, time and memory")
+    L.add_argument("--real-batch", type=int, default=1)
+    L.add_argument("--real-seq", type=int, default=512)
 
     f = sub.add_parser("prefill", help="requests arriving together: their prompts prefilled one at a time vs "
                                        "several to a forward; TTFT p50/p95 and total (issue 31)")

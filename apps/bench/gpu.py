@@ -17,7 +17,6 @@ JSON also goes to apps/results/gpu/<card>-<date>.json. Random weights: speed is 
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import re
 import time

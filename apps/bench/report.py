@@ -71,7 +71,7 @@ def speed_md(res: dict) -> str:
 RENDER = {"experts": "experts", "cost": "cost", "stepcost": "stepcost", "oracle": "oracle", "engine": "engine",
           "ttft": "ttft", "lookup": "lookup", "hosttime": "hosttime", "pipeline": "pipeline", "agent": "agent",
           "mixed": "mixed", "structured": "structured", "realsize": "realsize", "gpu": "gpu",
-          "prefill": "prefill", "kernels": "kernels"}
+          "prefill": "prefill", "kernels": "kernels", "learn": "learn"}
 
 
 def header(res: dict) -> list[str]:

@@ -42,6 +42,8 @@ MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64  # deeper bodies are refused before any code walks them
 OPEN_AFTER = 0.5  # seconds a stream waits for its first event before it opens anyway
 KEEPALIVE_EVERY = 5.0  # seconds of silence after which a stream sends a keep-alive (by default)
+LOOPBACK = ("127.0.0.1", "::1", "localhost")  # who may swap the drafter (POST /v1/drafter)
+SWAP_WAIT = 60.0  # seconds a swap waits for the running requests to finish before it answers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,7 @@ def create_app(engine, settings: Settings) -> Starlette:
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/drafter", put_drafter, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -131,6 +134,28 @@ async def get_model(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     protocol.check_model(request.path_params["model"], settings.model)
     return JSONResponse(_model_card(settings))
+
+
+async def put_drafter(request: HTTPRequest) -> Response:
+    """POST /v1/drafter {"drafter": DIR}: serve another MTP drafter of this target (an adapted one,
+    `mlx_mtp.learn`) from the next request on; the running ones finish on the old. The server's own
+    machine only (loopback), with the key when the server has one."""
+    settings = _authorized(request)
+    if request.client is None or request.client.host not in LOOPBACK:
+        raise APIError(403, "POST /v1/drafter is taken from the server's own machine only", type="permission_error",
+                       code="forbidden")
+    body = await read_json(request, settings.max_body_bytes)
+    path = body.get("drafter") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise invalid("drafter", "the body must be {\"drafter\": \"<directory of an MTP drafter>\"}")
+    swap = request.app.state.engine.swap_drafter(path)
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(swap)), SWAP_WAIT)
+    except (OSError, ValueError) as e:
+        raise invalid("drafter", str(e).splitlines()[0]) from None
+    except asyncio.TimeoutError:  # still waiting for running requests: it goes into service after them
+        return JSONResponse({"drafter": path, "in_service": False})
+    return JSONResponse({"drafter": path, "in_service": True})
 
 
 async def health(request: HTTPRequest) -> Response:
@@ -204,12 +229,19 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
+def _learns(request: HTTPRequest) -> bool:
+    """Whether the request may be kept for adapting the drafter (`X-MLX-MTP-Learn: off` opts out)."""
+    return request.headers.get("x-mlx-mtp-learn", "").strip().lower() not in ("off", "0", "false", "no")
+
+
 async def run(request: HTTPRequest, job, wire: Wire) -> Response:
     """Submit the job and answer it: `wire.answer(job, parts, outcome)` makes the whole reply,
     `wire.stream(job, parts, outcome)` its server-sent events. A prompt that does not fit is
     refused by `submit`, and what the engine refuses at once is awaited (`OPEN_AFTER`) before
     any header is sent: both get a real HTTP error."""
     engine = request.app.state.engine
+    if not _learns(request):
+        job = dataclasses.replace(job, request=dataclasses.replace(job.request, learn=False))
     try:  # off the event loop: submitting renders the prompt
         handle = await asyncio.to_thread(engine.submit, job.request)
     except QueueFull as e:

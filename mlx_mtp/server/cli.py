@@ -51,6 +51,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "outlive the server and its memory budget, and the next server on DIR starts from them")
     ap.add_argument("--prompt-cache-disk-gb", type=float, metavar="GB",
                     help="how much DIR may hold (default 16), least recently used states out first")
+    learn = ap.add_argument_group("learning from use (python -m mlx_mtp.learn; README: 'A drafter that learns')")
+    learn.add_argument("--learn-dir", metavar="DIR", help="keep each finished request's token ids and the drafter's "
+                                                           "counts in DIR (nothing is kept without it; a request "
+                                                           "opts out with the header `X-MLX-MTP-Learn: off`)")
+    learn.add_argument("--learn-gb", type=float, metavar="GB", help="--learn-dir's budget (oldest requests out first)")
+    learn.add_argument("--learn-every", type=positive_int, metavar="N",
+                       help="adapt the drafter after N new requests, while the server is idle, and serve the "
+                            "adapted one if it is better (the drafter must be unquantized)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -63,11 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--keepalive-seconds must be > 0")
     if args.prompt_cache_disk_gb is not None and (args.prompt_cache_disk_gb <= 0 or args.prompt_cache_dir is None):
         ap.error("--prompt-cache-disk-gb takes a size > 0, with --prompt-cache-dir")
+    if (args.learn_gb is not None or args.learn_every is not None) and args.learn_dir is None:
+        ap.error("--learn-gb and --learn-every go with --learn-dir")
     return args
 
 
 def load_model(args):
-    """The model to serve and the id clients name it by."""
+    """The model to serve and the id clients name it by (and, on `args`, the drafter's path)."""
     import mlx.core as mx
 
     from ..cli import demo_pair
@@ -80,6 +90,7 @@ def load_model(args):
     loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: the server needs one")
+    args.drafter_dir = drafter if drafter not in (None, "ngram") else None
     return loaded, args.served_model_name or str(name)
 
 
@@ -103,6 +114,7 @@ def serve(loaded, model_id: str, args) -> int:
     import uvicorn
 
     from .. import jit
+    from ..cli import error_line
     from ..engine import Engine
     from .app import Settings, create_app, served_model
 
@@ -111,11 +123,18 @@ def serve(loaded, model_id: str, args) -> int:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
+    learn = None if args.learn_gb is None else int(args.learn_gb * 2**30)
     try:
-        disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
-        with Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
-                    prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
-                    prompt_cache_disk_bytes=disk, prefill_tokens=args.prefill_tokens) as engine:
+        engine = Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
+                        prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
+                        prompt_cache_disk_bytes=disk, prefill_tokens=args.prefill_tokens, learn_dir=args.learn_dir,
+                        learn_bytes=learn, learn_every=args.learn_every, drafter_dir=getattr(args, "drafter_dir", None))
+    except (OSError, ValueError) as e:  # an unwritable --learn-dir, a quantized drafter to adapt
+        print(error_line(e), file=sys.stderr)
+        return 2
+    try:
+        with engine:
             mtp = "on" if loaded.drafter is not None else "off: no drafter"
             print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
             where = args.prompt_cache_dir

@@ -1,0 +1,260 @@
+"""`python -m apps.bench learn`: the demo drafter adapted to traffic of a kind it never saw (issue 37).
+
+0. Target: the shipped demo target answers every prompt with stdlib-style code (it was trained on
+   nothing else), so its replies never leave its drafter's domain. `--tune-steps` (default 40) first
+   fine-tunes it on tool-call transcripts, half of each batch stdlib code as before, so that it answers
+   such prompts in kind, as a real target does; its drafter stays the stock one (`--tune-steps 0`: the
+   shipped target).
+1. Traffic: `--requests` JSON tool-call transcripts (a conversation's messages with tool calls and
+   results, of random tools, arguments and values, cut where the assistant's next message begins),
+   answered by that target through an `Engine` that keeps them (`learn_dir`), MTP on, sampled at
+   `--temperature` (0.8: greedy replies of the shipped target to such prompts fall at once into a
+   repeat, "1, 1, 1, ...").
+2. Adaptation: `mlx_mtp.learn.adapt` on it, training capped at `--minutes`: accepted drafts per round
+   (K = 3) before and after, on the newest tenth of the requests (held out) and on the general sample
+   (standard library modules), and whether the adapted drafter was written.
+3. Wall clock: the held-out prompts again, one at a time (B = 1), greedy, plain and MTP `auto` with the
+   drafter before and after; tok/s and whether MTP's tokens equal plain decoding's.
+
+`--real-step 31b,26b-a4b` instead times one distillation step of the released assistants at their real
+size (random weights and target features): the plan for adapting them on a Mac in `apps/README.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOOLS = {"get_weather": ("city", "unit"), "search_files": ("pattern", "path"), "send_email": ("to", "subject"),
+         "create_event": ("title", "date"), "run_query": ("sql", "database"), "translate": ("text", "language")}
+VALUES = ["Paris", "celsius", "*.py", "/home/ana/src", "bob@example.com", "Quarterly report", "Team sync",
+          "2026-12-01", "SELECT name FROM users", "analytics", "good morning", "German", "Tokyo", "fahrenheit"]
+
+
+def tool_call_transcripts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, reply): JSON transcripts of tool-calling conversations, cut where the assistant's next
+    message begins, and that message: another call, or a summary that copies the last tool's result."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "user", "content": f"Please {rng.choice(['check', 'find', 'do'])} this for me."}]
+        for _ in range(rng.integers(1, 3)):
+            name, arguments = call(rng)
+            result = {"ok": bool(rng.integers(2)), "value": int(rng.integers(100))}
+            messages.append({"role": "assistant", "tool_calls": [{"name": name, "arguments": arguments}]})
+            messages.append({"role": "tool", "name": name, "content": json.dumps(result)})
+        if rng.integers(2):
+            reply = {"content": f"{name} returned {result['value']} ({'ok' if result['ok'] else 'failed'})."}
+        else:
+            reply = dict(zip(("name", "arguments"), call(rng)))
+            reply = {"tool_calls": [reply]}
+        prompt = json.dumps(messages, indent=1)[:-2] + ",\n {\"role\": \"assistant\", "
+        out.append((prompt, json.dumps(reply)[1:] + "\n]"))
+    return out
+
+
+def call(rng) -> tuple[str, dict]:
+    name = str(rng.choice(list(TOOLS)))
+    return name, {key: str(rng.choice(VALUES)) for key in TOOLS[name]}
+
+
+def tool_call_prompts(n: int, seed: int = 0) -> list[str]:
+    return [prompt for prompt, _ in tool_call_transcripts(n, seed)]
+
+
+def tuned_target(folder: Path, steps: int, log) -> Path:
+    """The demo target fine-tuned for `steps` on tool-call transcripts, half of each batch stdlib code as
+    before (kept in `folder`/target and reused): a target that answers such prompts in kind, as a real
+    one does, while its drafter only ever saw stdlib code. Next-token loss, AdamW at 3e-4, fp32."""
+    import shutil
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp import distill, learn
+    from mlx_mtp.demo import TARGET_DIR, load_demo
+    from mlx_mtp.loading import load_model
+
+    out = folder / "target"
+    if (out / "model.safetensors").exists():
+        return out
+    tokenizer = load_demo(mtp=False).tokenizer
+    texts = [prompt + reply for prompt, reply in tool_call_transcripts(1000, seed=1234)]
+    ids = np.concatenate([np.asarray(tokenizer.encode(t), np.int32) for t in texts])
+    code = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
+    target = load_model(TARGET_DIR, dtype=mx.float32)[0]
+    target.train()
+    step = nn.value_and_grad(target, lambda m, x, y: nn.losses.cross_entropy(m(x).logits, y, reduction="mean"))
+    opt, rng, started = optim.AdamW(3e-4), np.random.default_rng(0), time.perf_counter()
+    for i in range(steps):
+        rows = mx.array(np.stack([window(code if j % 2 else ids, 257, rng) for j in range(8)]))
+        loss, grads = step(target, rows[:, :-1], rows[:, 1:])
+        opt.update(target, optim.clip_grad_norm(grads, 1.0)[0])
+        mx.eval(target.parameters(), opt.state, loss)
+        if (i + 1) % 10 == 0 or i + 1 == steps:
+            log(f"  tuning the target on tool calls: step {i + 1}/{steps}, loss {loss.item():.3f} "
+                f"({time.perf_counter() - started:.0f} s)")
+    temp = folder / "target.tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    shutil.copytree(TARGET_DIR, temp, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    mx.save_safetensors(str(temp / "model.safetensors"), dict(tree_flatten(target.parameters())))
+    temp.rename(out)
+    return out
+
+
+def window(ids: np.ndarray, size: int, rng) -> np.ndarray:
+    start = int(rng.integers(0, len(ids) - size))
+    return ids[start : start + size]
+
+
+def capture_traffic(loaded, prompts: list[str], folder: Path, max_tokens: int, temperature: float, log) -> float:
+    """Serve `prompts` through an Engine that keeps them in `folder` (seeded sampling); seconds taken."""
+    import mlx_mtp
+
+    started = time.perf_counter()
+    sampling = mlx_mtp.SamplingParams(temperature=temperature)
+    with mlx_mtp.Engine(loaded, max_batch=8, learn_dir=folder) as engine:
+        handles = [engine.submit(mlx_mtp.Request(p, max_tokens=max_tokens, sampling=sampling, seed=i))
+                   for i, p in enumerate(prompts)]
+        for i, h in enumerate(handles):
+            h.result()
+            if (i + 1) % 200 == 0:
+                log(f"  {i + 1}/{len(prompts)} requests served ({time.perf_counter() - started:.0f} s)")
+    return time.perf_counter() - started
+
+
+def wall_clock(loaded, drafter, prompts: list[list[int]], max_tokens: int) -> dict:
+    """B = 1 tok/s of plain and MTP auto over `prompts` (token ids), and whether MTP equals plain."""
+    from mlx_mtp.generate import generate_tokens
+
+    out, runs = {}, {}
+    for mode in ("plain", "auto"):
+        tokens, started = 0, time.perf_counter()
+        runs[mode] = []
+        for p in prompts:
+            got = [t for t, _ in generate_tokens(loaded.target, p, drafter=drafter if mode == "auto" else None,
+                                                 draft_tokens="auto" if mode == "auto" else 0, max_tokens=max_tokens)]
+            runs[mode].append(got)
+            tokens += len(got)
+        out[mode] = tokens / (time.perf_counter() - started)
+    out["equals_plain"] = runs["auto"] == runs["plain"]
+    return out
+
+
+def run_learn(args, log=print) -> dict:
+    if args.real_step:
+        return dict(mode="learn", real_step=[real_step(shape, args.real_batch, args.real_seq, train, log)
+                                             for shape in args.real_step.split(",") for train in (True, False)])
+    import mlx.core as mx
+
+    from mlx_mtp import capture, distill, learn
+    from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
+    from mlx_mtp.loading import load, load_model
+
+    folder = Path(args.captures or tempfile.mkdtemp(prefix="mlx_mtp-learn-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    target_dir = tuned_target(folder, args.tune_steps, log) if args.tune_steps else TARGET_DIR
+    loaded = load(target_dir, DRAFTER_DIR, dtype=mx.float32)
+    res = dict(mode="learn", requests=args.requests, max_tokens=args.max_tokens, captures=str(folder),
+               temperature=args.temperature, tune_steps=args.tune_steps)
+    kept = folder / "captured"
+    if len(list(capture.read(kept))) < args.requests:
+        log(f"serving {args.requests} tool-call transcripts through the demo pair, kept in {kept}")
+        res["serve_s"] = capture_traffic(loaded, tool_call_prompts(args.requests, args.seed), kept,
+                                         args.max_tokens, args.temperature, log)
+    records = list(capture.read(kept))
+    res["tokens"] = int(sum(len(r.prompt) + len(r.reply) for r in records))
+    res["served_acceptance"] = sum(r.accepted for r in records) / max(1, sum(r.rounds for r in records))
+    tokenizer = loaded.tokenizer
+    replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
+    out = folder / "adapted"
+    res["adapt"] = learn.adapt(loaded.target, DRAFTER_DIR, records, learn.general_sample(tokenizer), out,
+                               steps=args.steps, minutes=args.minutes, replay=replay, seq=args.seq,
+                               batch=args.batch, lr=args.lr, progress=log)
+    held = [list(map(int, r.prompt)) for r in learn.split(records)[1]][: args.wall_prompts]
+    res["wall_clock"] = {"before": wall_clock(loaded, loaded.drafter, held, args.max_tokens)}
+    if res["adapt"]["written"]:
+        res["wall_clock"]["after"] = wall_clock(loaded, load_model(out, dtype=mx.float32)[0], held, args.max_tokens)
+    for when, w in res["wall_clock"].items():
+        log(f"  held-out B=1, {when}: plain {w['plain']:.1f} tok/s, auto {w['auto']:.1f} tok/s "
+            f"({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}")
+    res["mismatches"] = [f"MTP differs from plain ({when})" for when, w in res["wall_clock"].items()
+                         if not w["equals_plain"]]
+    return res
+
+
+def learn_md(res: dict) -> str:
+    if "real_step" in res:
+        from .report import table
+
+        rows = [[r["shape"], f"{r['batch']} x {r['seq']}", "trained" if r["train_embedding"] else "frozen",
+                 f"{r['params'] / 1e6:.0f} M / {r['trained'] / 1e6:.0f} M", f"{r['step_s']:.1f} s",
+                 f"{r['peak_gib']:.2f} GiB"] for r in res["real_step"]]
+        return "\n".join(["## Learn: one distillation step at a released assistant's size", "",
+                          table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"],
+                                rows), ""])
+    a = res["adapt"]
+    rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}"],
+            ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}"]]
+    from .report import table
+
+    target = f"tuned on tool calls for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
+    lines = [f"## Learn: the demo drafter adapted to {res['requests']} served tool-call transcripts", "",
+             f"Target: the demo target {target}. Served at temperature {res['temperature']}: "
+             f"{res['served_acceptance']:.2f} drafts accepted per MTP round while serving.", "",
+             f"{res['tokens']} captured tokens; {a['train_requests']} requests trained on ({a['train_tokens']} tokens "
+             f"with the replay), {a['held_out_requests']} held out; {a['steps']} steps in {a['seconds']:.0f} s; "
+             f"written: {a['written']}.", "",
+             table(["accepted drafts per round (K=3)", "before", "after"], rows), ""]
+    for when, w in res["wall_clock"].items():
+        lines.append(f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
+                     f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}")
+    return "\n".join(lines + [""])
+
+
+def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> dict:
+    """One distillation step of `shape`'s assistant at its released size (random weights, fp32, AdamW;
+    K = 3) on target features of the released target's shapes, drawn at random (the cost does not
+    depend on their values): seconds per step (median of 3 after one warm-up) and peak memory."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp import distill
+    from mlx_mtp.cache import FULL, SLIDING, SharedKV
+    from mlx_mtp.models import gemma4
+
+    from .cost import ASSISTANTS, CONFIGS, TARGETS
+    from .env import median
+
+    tc = gemma4.Config.from_dict(json.loads((CONFIGS / TARGETS[shape] / "config.json").read_text()))
+    config = json.loads(ASSISTANTS[shape][0].read_text())
+    config.pop("_partial", None)
+    drafter = distill.new_drafter(config)
+    d = distill.Distiller(None, drafter, None, steps=100, k=3, train_embedding=train_embedding)
+    draw = lambda *shape: mx.random.normal(shape) * 0.1  # noqa: E731
+    shared = {}
+    for kind in (SLIDING, FULL):
+        src = tc.store_layer(kind)
+        kv = (batch, tc.layer_kv_heads(src), seq, tc.layer_head_dim(src))
+        shared[kind] = SharedKV(draw(*kv), draw(*kv), mx.broadcast_to(mx.arange(seq, dtype=mx.int32), (batch, seq)))
+    features = (draw(batch, seq, tc.hidden_size), draw(batch, seq, tc.hidden_size),
+                mx.random.randint(0, tc.vocab_size, (batch, seq)), shared)
+    mx.eval(features[:3], [(kv.keys, kv.values) for kv in shared.values()])
+    mx.reset_peak_memory()
+    times = []
+    for i in range(4):
+        started = time.perf_counter()
+        d.learn(features)
+        times.append(time.perf_counter() - started)
+        log(f"  {shape} assistant, {batch} x {seq} tokens, embedding {'trained' if train_embedding else 'frozen'}: "
+            f"step {i + 1} {times[-1]:.1f} s")
+    params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
+    trained = sum(v.size for _, v in tree_flatten(drafter.trainable_parameters()))
+    return dict(shape=shape, batch=batch, seq=seq, train_embedding=train_embedding, params=params, trained=trained,
+                step_s=median(times[1:]), peak_gib=mx.get_peak_memory() / 2**30)
