@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Hashable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -63,6 +63,34 @@ def check_fits(prompt_tokens: int, context: int, max_tokens: Optional[int] = Non
                                  f"context of {context} tokens", prompt_tokens, context, max_tokens)
 
 
+def _check_prompt(prompt, vocab_size: int) -> list:
+    """A prompt as a list of token ids, checked: not empty, flat, within the vocabulary."""
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("empty prompt: nothing to condition on")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError("a prompt is a flat list of integer token ids")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab_size - 1})")
+    return [int(t) for t in ids]
+
+
+def _processing(penalties: Penalties, grammar, logprobs: Optional[int], start: int, vocab_size: int,
+                pipelined: bool) -> RowProcessing:
+    """A row's logits processing, its arguments checked (none runs under pipeline parallelism)."""
+    if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {logprobs!r}")
+    if any(t >= vocab_size for t, _ in penalties.logit_bias):
+        raise ValueError(f"logit_bias names a token outside the vocabulary (0..{vocab_size - 1})")
+    processing = RowProcessing(penalties, grammar, logprobs, start)
+    if processing.active and pipelined:
+        raise ValueError("grammars, penalties, logit bias and logprobs are not supported under pipeline parallelism")
+    return processing
+
+
 @dataclasses.dataclass
 class _Inflight:
     out: RoundOutput
@@ -74,6 +102,70 @@ class _Inflight:
     def serial(self) -> bool:
         """Read as soon as queued: a row's grammar needs its tokens to build the next round."""
         return self.plan.processors is not None and self.plan.processors.serial
+
+
+class DraftLengths:
+    """Each round's draft length per row, and what each round read back teaches the draft policy
+    that chose it: the drafts it accepted and, where the wall time since the previous read is the
+    round's own, that time."""
+
+    def __init__(self):
+        self.last_read: Optional[float] = None  # when a round was last read; None: none runs since
+
+    def limits(self, rows: Sequence[Row], policy, fixed: Optional[int], decide: Callable) -> tuple[int, ...]:
+        """Each row's draft length: its own where it is fixed, else the round's K, which `policy`
+        chooses (`decide(choose)`: one choice for every rank), at least the longest fixed one.
+        `fixed`: the batch's fixed draft length (None: "auto")."""
+        members = [Member(r.acceptance, self._fixed(r, fixed)) for r in rows]
+        floor = max([m.fixed for m in members if m.fixed is not None], default=0)
+        k = floor
+        if any(m.fixed is None for m in members):
+            k = max(floor, decide(lambda: policy.choose(len(rows), members)))
+        return tuple(k if m.fixed is None else m.fixed for m in members)
+
+    @staticmethod
+    def _fixed(row: Row, fixed: Optional[int]) -> Optional[int]:
+        """The drafts that count for `row` whatever the round makes; None: the round's K, which
+        the policy chooses (and rows of a fixed length make longer, if they need)."""
+        if row.draft is None:
+            return 0
+        if row.draft != "auto":
+            return row.draft
+        if fixed is not None:
+            return fixed
+        if row.seeded and not row.params.greedy:
+            return SEEDED_K  # a measured-timing K would make the output depend on timing
+        return None
+
+    def learn(self, inflight: _Inflight, launched: Optional[_Inflight], policy, accepted: list, drafted: list,
+              forced: list, stats: Stats) -> None:
+        """Teach `policy` what `inflight`, just read, did (`launched`: the round queued after it);
+        add the wall time since the last read to the batch's `stats`."""
+        now = time.perf_counter()
+        seconds = now - self.last_read if self._own_time(inflight, launched) else None
+        if self.last_read is not None:
+            stats.decode_seconds += now - self.last_read  # the batch's wall time in rounds
+        self.last_read = now
+        # Forced drafts are accepted whatever the drafter does: they say nothing of its acceptance.
+        drafted_by = [0 if f else d for d, f in zip(drafted, forced)]
+        members = [Member(r.acceptance) for r in inflight.rows]
+        policy.observe(len(inflight.rows), inflight.plan.k, accepted, seconds, drafted_by, members)
+
+    def idle(self) -> None:
+        """Nothing runs until the next round: the wait until then is not a round's."""
+        self.last_read = None
+
+    def _own_time(self, inflight: _Inflight, launched: Optional[_Inflight]) -> bool:
+        """Whether the time since the last read is this round's own: a pipelined round's when
+        the round queued after it is alike, a serial round's (read as soon as queued) always;
+        neither's when a prompt chunk ran in between."""
+        if self.last_read is None or inflight.after_prefill or (inflight.plan.processors is not None
+                                                                and any(inflight.plan.processors.nforced)):
+            return False  # (forced drafts make a round that drafted without the drafter's cost)
+        if inflight.serial:
+            return True
+        return (launched is not None and not launched.after_prefill and launched.plan.k == inflight.plan.k
+                and len(launched.rows) == len(inflight.rows))
 
 
 class BatchGenerator:
@@ -113,7 +205,7 @@ class BatchGenerator:
         self._inflight: Optional[_Inflight] = None
         self._cancelled: list[Row] = []
         self._uids = 0
-        self._last_read: Optional[float] = None
+        self.lengths = DraftLengths()
         self.lockstep: Lockstep = getattr(target, "pipeline", None) or ALONE  # ranks of a pipeline group
         self.prefill_tokens = prefill_tokens or prefill_chunk
         self.prefill = Prefill(target, prefill_chunk, self.prefill_tokens, prefix_cache, self.lockstep.share,
@@ -163,7 +255,7 @@ class BatchGenerator:
         Raises:
             ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
         """
-        ids = self._check_prompt(prompt)
+        ids = _check_prompt(prompt, self.target.vocab_size)
         if int(max_tokens) != max_tokens or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         draft = draft_tokens if draft_tokens == "auto" else check_draft_tokens(draft_tokens)
@@ -174,34 +266,12 @@ class BatchGenerator:
         row = Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
-        row.processing = self._processing(penalties, grammar, logprobs, len(ids))
+        row.processing = _processing(penalties, grammar, logprobs, len(ids), self.target.vocab_size,
+                                     pipelined=self.lockstep is not ALONE)
         self.lockstep.inserting(self, row)
         self._uids += 1
         self.pending.append(row)
         return uid
-
-    def _processing(self, penalties: Penalties, grammar, logprobs: Optional[int], start: int) -> RowProcessing:
-        if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) != logprobs
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {logprobs!r}")
-        if any(t >= self.target.vocab_size for t, _ in penalties.logit_bias):
-            raise ValueError(f"logit_bias names a token outside the vocabulary (0..{self.target.vocab_size - 1})")
-        processing = RowProcessing(penalties, grammar, logprobs, start)
-        if processing.active and self.lockstep is not ALONE:
-            raise ValueError("grammars, penalties, logit bias and logprobs are not supported under pipeline parallelism")
-        return processing
-
-    def _check_prompt(self, prompt) -> list:
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("empty prompt: nothing to condition on")
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError("a prompt is a flat list of integer token ids")
-        bad = arr[(arr < 0) | (arr >= self.target.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.target.vocab_size - 1})")
-        return [int(t) for t in ids]
 
     # ---- rows out ------------------------------------------------------------------------
 
@@ -283,19 +353,15 @@ class BatchGenerator:
             events += self._read(launched, None)
             self._inflight = None
         if launched is None or (self._inflight is None and all(r.finish_reason for r in self.rows)):
-            self._last_read = None  # nothing runs until the next round: the wait is not a round's
+            self.lengths.idle()  # nothing runs until the next round
         self.lockstep.stepped(self)
         return events
 
     def _launch(self, after_prefill: bool) -> _Inflight:
         rows = self.rows
-        members = [Member(r.acceptance, self._fixed_k(r)) for r in rows]
-        floor = max([m.fixed for m in members if m.fixed is not None], default=0)
-        k = floor
-        if any(m.fixed is None for m in members):
-            policy = self._policy(any(r.processing.grammar is not None for r in rows))
-            k = max(floor, self.lockstep.draft_tokens(self, lambda: policy.choose(len(rows), members)))
-        limits = tuple(k if m.fixed is None else m.fixed for m in members)
+        policy = self._policy(any(r.processing.grammar is not None for r in rows))
+        limits = self.lengths.limits(rows, policy, self.policy.fixed,
+                                     lambda choose: self.lockstep.draft_tokens(self, choose))
         processors = Processors.build([r.processing for r in rows], self.target.vocab_size, K_MAX)
         if processors is not None:
             limits = processors.limits(limits)  # forced tokens are drafted, whatever the draft length
@@ -314,56 +380,23 @@ class BatchGenerator:
         """The policy of rounds with a grammar row (read serially, led by forced tokens), or of the rest."""
         return self.constrained_policy if constrained else self.policy
 
-    def _fixed_k(self, row: Row) -> Optional[int]:
-        """The drafts that count for `row` whatever the round makes; None: the round's K, which
-        the policy chooses (and rows of a fixed length make longer, if they need)."""
-        if row.draft is None:
-            return 0
-        if row.draft != "auto":
-            return row.draft
-        if self.policy.fixed is not None:
-            return self.policy.fixed
-        if row.seeded and not row.params.greedy:
-            return SEEDED_K  # a measured-timing K would make the output depend on timing
-        return None
-
     def _read(self, inflight: Optional[_Inflight], launched: Optional[_Inflight]) -> list[RowEvent]:
         if inflight is None or all(r.finish_reason for r in inflight.rows):
             return []  # nobody waits for it: don't wait for the device either
         out = inflight.out
         tokens, accepted, drafted = out.tokens.tolist(), out.accepted.tolist(), out.drafted.tolist()
         logprobs = out.logprobs and tuple(None if a is None else a.tolist() for a in out.logprobs)
-        now = time.perf_counter()
-        seconds = now - self._last_read if self._timed(inflight, launched) else None
-        if self._last_read is not None:
-            self.stats.decode_seconds += now - self._last_read  # the batch's wall time in rounds
-        self._last_read = now
         plan = inflight.plan
         forced = plan.processors.nforced if plan.processors is not None else [0] * len(inflight.rows)
-        # Forced drafts are accepted whatever the drafter does: they say nothing of its acceptance.
-        drafted_by = [0 if f else d for d, f in zip(drafted, forced)]
-        members = [Member(r.acceptance) for r in inflight.rows]
-        self._policy(inflight.serial).observe(len(inflight.rows), plan.k, accepted, seconds, drafted_by, members)
+        self.lengths.learn(inflight, launched, self._policy(inflight.serial), accepted, drafted, forced, self.stats)
         events = []
         for b, (row, toks, n, k) in enumerate(zip(inflight.rows, tokens, accepted, drafted)):
             if row.finish_reason is None:
                 top = row.processing.logprobs
                 lp = row_logprobs(logprobs, b, n + 1, top) if logprobs and top is not None else None
-                events.append(self._deliver(row, toks[: n + 1], n, k, lp, forced[b]))
+                events.append(_deliver(row, toks[: n + 1], n, k, self.limit, self.stats, lp, forced[b]))
         self._settle(inflight, launched)
         return events
-
-    def _timed(self, inflight: _Inflight, launched: Optional[_Inflight]) -> bool:
-        """Whether the time since the last read is this round's own: a pipelined round's when
-        the round queued after it is alike, a serial round's (read as soon as queued) always;
-        neither's when a prompt chunk ran in between."""
-        if self._last_read is None or inflight.after_prefill or (inflight.plan.processors is not None
-                                                                 and any(inflight.plan.processors.nforced)):
-            return False  # (forced drafts make a round that drafted without the drafter's cost)
-        if inflight.serial:
-            return True
-        return (launched is not None and not launched.after_prefill and launched.plan.k == inflight.plan.k
-                and len(launched.rows) == len(inflight.rows))
 
     def _settle(self, inflight: _Inflight, launched: Optional[_Inflight]) -> None:
         """Tell the cache the lengths just read, so its host bounds do not drift (they decide
@@ -374,30 +407,6 @@ class BatchGenerator:
         if known:
             rows, lengths = zip(*known)
             self.cache.settle(rows, lengths, ahead, reach=K_MAX + 1)
-
-    def _deliver(self, row: Row, tokens: list, accepted: int, k: int, logprobs: Optional[list] = None,
-                 forced: int = 0) -> RowEvent:
-        """Hand out a round's tokens, cut after a stop token, at the budget or the context; the
-        row's grammar takes them in."""
-        room = min(row.max_tokens - len(row.tokens), self.limit - row.fed - len(row.tokens))
-        finish = None
-        for i, tok in enumerate(tokens):
-            if tok in row.stop_ids:
-                tokens, finish = tokens[: i + 1], "stop"
-                break
-        if len(tokens) > room or (finish is None and len(tokens) == room):
-            tokens, finish = tokens[:room], "length"
-        row.tokens += tokens
-        row.finish_reason = finish
-        from_draft = [i < accepted for i in range(len(tokens))]
-        for stats in (row.stats, self.stats):
-            stats.observe_round(k, accepted)
-            stats.emitted += len(tokens)
-            stats.from_draft += sum(from_draft)
-            stats.forced += min(forced, accepted, len(tokens))
-        row.stats.decode_seconds = time.perf_counter() - row.began - row.stats.first_token_seconds
-        finish = row.finish_reason = finish or row.grammar_ends(tokens)
-        return RowEvent(row.uid, tokens, from_draft, finish, row.stats, logprobs and logprobs[: len(tokens)])
 
     def _keeps_history(self, joining: Sequence[Row]) -> bool:
         """Whether the batch keeps token histories once `joining` join it: for a proposer that
@@ -435,6 +444,31 @@ class BatchGenerator:
         row.pinned.append(self.prefix.store((row.prompt + row.tokens)[: row.length], cache, pin=row.owner))
         if row.owner is not None:
             self.prefix.release(row.owner, keep=row.pinned)
+
+
+def _deliver(row: Row, tokens: list, accepted: int, k: int, limit: int, stats: Stats,
+             logprobs: Optional[list] = None, forced: int = 0) -> RowEvent:
+    """Hand out a round's tokens of `row`, cut after a stop token, at the budget or the context
+    (`limit`); the row's grammar takes them in, the row's and the batch's `stats` count them."""
+    room = min(row.max_tokens - len(row.tokens), limit - row.fed - len(row.tokens))
+    finish = None
+    for i, tok in enumerate(tokens):
+        if tok in row.stop_ids:
+            tokens, finish = tokens[: i + 1], "stop"
+            break
+    if len(tokens) > room or (finish is None and len(tokens) == room):
+        tokens, finish = tokens[:room], "length"
+    row.tokens += tokens
+    row.finish_reason = finish
+    from_draft = [i < accepted for i in range(len(tokens))]
+    for counts in (row.stats, stats):
+        counts.observe_round(k, accepted)
+        counts.emitted += len(tokens)
+        counts.from_draft += sum(from_draft)
+        counts.forced += min(forced, accepted, len(tokens))
+    row.stats.decode_seconds = time.perf_counter() - row.began - row.stats.first_token_seconds
+    finish = row.finish_reason = finish or row.grammar_ends(tokens)
+    return RowEvent(row.uid, tokens, from_draft, finish, row.stats, logprobs and logprobs[: len(tokens)])
 
 
 def _seed(seed: int) -> int:

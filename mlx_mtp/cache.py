@@ -148,7 +148,8 @@ class Ragged(NamedTuple):
 
 @dataclasses.dataclass
 class _Track:
-    """Slot bookkeeping shared by every cached layer of one attention type."""
+    """The slots of one attention type, shared by its cached layers: the position each holds
+    (-1: none), how many there are, and which of them a forward writes and sees."""
 
     window: Optional[int]  # None: full attention
     capacity: int
@@ -157,6 +158,82 @@ class _Track:
     @property
     def ring(self) -> bool:
         return self.window is not None
+
+    def write(self, positions: mx.array, length: int, end: int, first: Optional[int], single: bool,
+              fixed: bool) -> tuple[_Write, Optional[mx.array]]:
+        """Store a forward's new positions (B, length) in the slots; return the write plan and the
+        mask. `end`: 1 + the last position any row writes; `first`: every row's first new position
+        where all rows have one known length (None: rows apart). A fixed step attends over the
+        whole buffer, masked, so that its shapes stay the same."""
+        C = self.capacity
+        if not self.ring:
+            start = None if first is None else mx.array([first], dtype=mx.int32)
+            write = _Write(positions, length, False, None if fixed else (0, end), C, start)
+            self.pos = write.store(self.pos, positions, axis=1)
+            if fixed:
+                return write, _visible(self.pos, positions, None)
+            return write, None if single and length == 1 else _visible(self.pos[:, :end], positions, None)
+        W = self.window
+        slots = positions % C
+        n = min(length, C)
+        scatter = first is None or (first + length - n) % C + n > C  # rows apart, or a write across the ring's end
+        start = None if scatter else mx.array([(first + length - n) % C], dtype=mx.int32)
+        if length > C - W + 1 and end > C:  # later tokens of the chunk would overwrite keys earlier ones need
+            old = (0, 0) if end == length else (0, C)  # an empty cache has nothing older
+            kpos = mx.concatenate([self.pos[:, old[0] : old[1]], positions], axis=1)
+            write = _Write(slots[:, length - n :], n, True, old, C, start)
+            self.pos = write.store(self.pos, positions[:, length - n :], axis=1)
+            return write, _visible(kpos, positions, W)
+        if single and length == 1 and end <= C and not fixed:  # not wrapped yet: the window is a plain slice
+            write = _Write(slots, length, False, (max(0, end - W), end), C, start)
+            self.pos = write.store(self.pos, positions, axis=1)
+            return write, None
+        write = _Write(slots, length, False, None, C, start)
+        self.pos = write.store(self.pos, positions, axis=1)
+        return write, _visible(self.pos, positions, W)
+
+
+class _Sizer:
+    """Sizes a cache's buffers to the positions its rows hold: full-attention buffers get a rounded
+    number of slots (grown with slack, shrunk as rows leave), rings as many up to `ring_size`.
+    It works on the cache's own tracks and buffer lists, in place (forwards hold those lists)."""
+
+    def __init__(self, layer_types: list, tracks: dict, keys: list, values: list, step: int, ring_size: int):
+        self.layer_types, self.tracks, self.keys, self.values = layer_types, tracks, keys, values
+        self.step, self.ring_size = step, ring_size
+
+    def grow(self, needed: int) -> None:
+        """Room for positions 0 .. needed - 1 (with slack: growing often makes many sizes)."""
+        if needed > self.tracks[FULL].capacity:
+            self.resize(self.rounded(needed + self.step // 2))
+
+    def shrink(self, top: int) -> None:
+        """No more slots than positions 0 .. top (rows whose later positions left)."""
+        needed = self.rounded(top + 1)
+        if needed < self.tracks[FULL].capacity:
+            self.resize(needed)
+
+    def rounded(self, n: int) -> int:
+        """Full-attention slots for n positions: a multiple of `step`, and of an eighth of n (as a power
+        of two) past 8 steps, so that a long context's buffers take few sizes: every size is a
+        compiled forward of its own."""
+        granule = max(self.step, 1 << max(n.bit_length() - 4, 0))
+        return -(-n // granule) * granule
+
+    def resize(self, capacity: int) -> None:
+        """Full-attention buffers with `capacity` slots, rings with as many up to `ring_size`. Slot =
+        position in both while a ring is shorter than `ring_size` (no position at or past `capacity`
+        was ever written: the cache's `top` bounds them), so no data moves."""
+        for kind, size in ((FULL, capacity), (SLIDING, min(capacity, self.ring_size))):
+            track = self.tracks[kind]
+            if size == track.capacity:
+                continue
+            track.pos = _fit(track.pos, size, -1, axis=1)
+            for i, t in enumerate(self.layer_types):
+                if t == kind and self.keys[i] is not None:
+                    self.keys[i] = _fit(self.keys[i], size, 0, axis=2)
+                    self.values[i] = _fit(self.values[i], size, 0, axis=2)
+            track.capacity = size
 
 
 class KVCache:
@@ -177,12 +254,14 @@ class KVCache:
         self.max_rollback = max_rollback
         self.step = step
         self.ring_size = sliding_window + 1 + max_rollback  # the drafter reads the last W + 1 positions
-        # Both buffers start empty and grow (`_resize`); a ring is as long as the full buffers (slot =
-        # position: nothing wraps) until it reaches `ring_size`.
+        # Both buffers start empty and grow (`sizer`); a ring is as long as the full buffers (slot =
+        # position: nothing wraps) until it reaches `ring_size`. Never rebound, only changed in place:
+        # the sizer and every forward's `Step` hold these very lists.
         self.tracks = {FULL: _Track(None, 0, _empty(batch_size, 0)),
                        SLIDING: _Track(sliding_window, 0, _empty(batch_size, 0))}
         self.keys: list[Optional[mx.array]] = [None] * len(self.layer_types)
         self.values: list[Optional[mx.array]] = [None] * len(self.layer_types)
+        self.sizer = _Sizer(self.layer_types, self.tracks, self.keys, self.values, step, self.ring_size)
         self.offset = mx.zeros((batch_size,), dtype=mx.int32)  # next position of each row
         self.bound = np.zeros(batch_size, dtype=np.int64)  # upper bound of `offset`
         self.top = np.zeros(batch_size, dtype=np.int64)  # upper bound of 1 + the last written position
@@ -216,52 +295,22 @@ class KVCache:
     def begin(self, length: int) -> Step:
         """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
         positions = self.offset[:, None] + mx.array(np.arange(length, dtype=np.int32))  # a constant: no graph node
-        self._grow(int(self.bound.max(initial=0)) + length)
+        end = int(self.bound.max(initial=0)) + length
+        self.sizer.grow(end)
         fixed = (length <= min(FIXED_LENGTH, self.ring_size - self.window + 1)
                  and all(k is not None for k in self.keys))
         single = self.exact and self.batch_size == 1
         offset = int(self.bound[0]) if single and not fixed else self.offset
+        # Rows of one known length write the same slots: a slice update instead of a scatter.
+        aligned = self.exact and (self.bound == self.bound[0]).all()
+        first = int(self.bound[0]) if aligned else None
         masks, writes = {}, {}
         for name, track in self.tracks.items():
-            writes[name], masks[name] = self._write_positions(track, positions, length, single, fixed)
+            writes[name], masks[name] = track.write(positions, length, end, first, single, fixed)
         self.offset = self.offset + length
         self.bound = self.bound + length
         self.top = np.maximum(self.top, self.bound)
         return Step(positions, offset, masks, writes, {}, tuple(self.layer_types), self.keys, self.values, fixed)
-
-    def _write_positions(self, track: _Track, positions: mx.array, length: int, single: bool, fixed: bool):
-        """Store the new positions in the track; return the write plan and the mask. A fixed
-        step attends over the whole buffer, masked, so that its shapes stay the same."""
-        end = int(self.bound.max(initial=0)) + length
-        # Rows of one known length write the same slots: a slice update instead of a scatter.
-        aligned = self.exact and (self.bound == self.bound[0]).all()
-        first = int(self.bound[0]) if aligned else None
-        C = track.capacity
-        if not track.ring:
-            start = None if first is None else mx.array([first], dtype=mx.int32)
-            write = _Write(positions, length, False, None if fixed else (0, end), C, start)
-            track.pos = write.store(track.pos, positions, axis=1)
-            if fixed:
-                return write, _visible(track.pos, positions, None)
-            return write, None if single and length == 1 else _visible(track.pos[:, :end], positions, None)
-        W = track.window
-        slots = positions % C
-        n = min(length, C)
-        scatter = first is None or (first + length - n) % C + n > C  # rows apart, or a write across the ring's end
-        start = None if scatter else mx.array([(first + length - n) % C], dtype=mx.int32)
-        if length > C - W + 1 and end > C:  # later tokens of the chunk would overwrite keys earlier ones need
-            old = (0, 0) if end == length else (0, C)  # an empty cache has nothing older
-            kpos = mx.concatenate([track.pos[:, old[0] : old[1]], positions], axis=1)
-            write = _Write(slots[:, length - n :], n, True, old, C, start)
-            track.pos = write.store(track.pos, positions[:, length - n :], axis=1)
-            return write, _visible(kpos, positions, W)
-        if single and length == 1 and end <= C and not fixed:  # not wrapped yet: the window is a plain slice
-            write = _Write(slots, length, False, (max(0, end - W), end), C, start)
-            track.pos = write.store(track.pos, positions, axis=1)
-            return write, None
-        write = _Write(slots, length, False, None, C, start)
-        track.pos = write.store(track.pos, positions, axis=1)
-        return write, _visible(track.pos, positions, W)
 
     def shared_kv(self, layer: int) -> SharedKV:
         """`layer`'s K/V buffers and slot positions (what the drafter reads): whole, empty slots
@@ -337,7 +386,7 @@ class KVCache:
         and the drafter can still see) of a sliding layer."""
         if self.batch_size != 1 or int(self.bound[0]) != 0:
             raise CacheError("only an empty one-row cache can be resumed")
-        self._grow(length)
+        self.sizer.grow(length)
         capacity = self.tracks[FULL].capacity
         self.tracks[FULL].pos = _fit(mx.arange(length, dtype=mx.int32)[None], capacity, -1, axis=1)
         for i, (k, v) in full.items():
@@ -373,7 +422,7 @@ class KVCache:
                 self.keys[i], self.values[i] = buf[index], self.values[i][index]
         self.offset = self.offset[index]
         self.bound, self.top, self.floor = self.bound[rows_np], self.top[rows_np], self.floor[rows_np]
-        self._shrink()
+        self.sizer.shrink(int(self.top.max(initial=0)))
 
     def take(self, row: int) -> "KVCache":
         """A new one-row cache holding `row` (arrays are values: nothing is shared mutably)."""
@@ -381,12 +430,12 @@ class KVCache:
         pick = slice(row, row + 1)
         for name, track in self.tracks.items():
             out.tracks[name] = _Track(track.window, track.capacity, track.pos[pick])
-        out.keys = [None if a is None else a[pick] for a in self.keys]
-        out.values = [None if a is None else a[pick] for a in self.values]
+        out.keys[:] = [None if a is None else a[pick] for a in self.keys]
+        out.values[:] = [None if a is None else a[pick] for a in self.values]
         out.offset = self.offset[pick]
         out.bound, out.top, out.exact = self.bound[pick].copy(), self.top[pick].copy(), self.exact
         out.floor = self.floor[pick].copy()
-        out._shrink()
+        out.sizer.shrink(int(out.top.max(initial=0)))
         return out
 
     def extend(self, other: "KVCache") -> None:
@@ -394,8 +443,8 @@ class KVCache:
         if (other.layer_types, other.window, other.max_rollback) != (self.layer_types, self.window, self.max_rollback):
             raise CacheError("cannot join caches of different models or rollback budgets")
         capacity = max(self.tracks[FULL].capacity, other.tracks[FULL].capacity)
-        self._resize(capacity)
-        other._resize(capacity)
+        self.sizer.resize(capacity)
+        other.sizer.resize(capacity)
         for name, track in self.tracks.items():
             track.pos = mx.concatenate([track.pos, other.tracks[name].pos])
         for bufs, theirs in ((self.keys, other.keys), (self.values, other.values)):
@@ -415,38 +464,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values if a is not None)
-
-    def _grow(self, needed: int) -> None:
-        full = self.tracks[FULL]
-        if needed > full.capacity:
-            self._resize(self._rounded(needed + self.step // 2))
-
-    def _shrink(self) -> None:
-        needed = self._rounded(int(self.top.max(initial=0)) + 1)
-        if needed < self.tracks[FULL].capacity:
-            self._resize(needed)
-
-    def _rounded(self, n: int) -> int:
-        """Full-attention slots for n positions: a multiple of `step`, and of an eighth of n (as a power
-        of two) past 8 steps, so that a long context's buffers take few sizes: every size is a
-        compiled forward of its own."""
-        granule = max(self.step, 1 << max(n.bit_length() - 4, 0))
-        return -(-n // granule) * granule
-
-    def _resize(self, capacity: int) -> None:
-        """Full-attention buffers with `capacity` slots, rings with as many up to `ring_size`. Slot =
-        position in both while a ring is shorter than `ring_size` (no position at or past `capacity`
-        was ever written: `top` bounds them), so no data moves."""
-        for kind, size in ((FULL, capacity), (SLIDING, min(capacity, self.ring_size))):
-            track = self.tracks[kind]
-            if size == track.capacity:
-                continue
-            track.pos = _fit(track.pos, size, -1, axis=1)
-            for i, t in enumerate(self.layer_types):
-                if t == kind and self.keys[i] is not None:
-                    self.keys[i] = _fit(self.keys[i], size, 0, axis=2)
-                    self.values[i] = _fit(self.values[i], size, 0, axis=2)
-            track.capacity = size
 
 
 def _empty(batch_size: int, width: int) -> mx.array:

@@ -39,8 +39,8 @@ class Conversation:
             raise ValueError("a conversation needs a tokenizer: the model directory has none")
         self.loaded = loaded
         self.engine = engine if engine is not None else Engine(loaded, max_batch=1, prompt_cache_bytes=0)
-        self.id = self.engine.new_conversation(system, enable_thinking)
-        self.history = self.engine.history(self.id)
+        self.id = self.engine.conversations.new(system, enable_thinking)
+        self.history = self.engine.conversations.history(self.id)
         self.last_stats: Optional[Stats] = None
         self.last_done: Optional[DoneEvent] = None  # how the last reply ended
         self._streaming = False
@@ -76,7 +76,7 @@ class Conversation:
         """Forget every turn (the system message stays) and the states they left."""
         self._check_idle()
         self.history.reset()  # now, so that `messages` show it; the engine releases the states in turn
-        self.engine.reset_conversation(self.id)
+        self.engine.conversations.reset(self.id)
         self.last_stats = self.last_done = None
 
     def close(self) -> None:
@@ -153,6 +153,6 @@ def _close(engine: Engine, conversation_id: int, owned: Optional[Engine]) -> Non
         owned.close()
     elif engine.running:
         try:
-            engine.close_conversation(conversation_id)
+            engine.conversations.close(conversation_id)
         except (KeyError, RuntimeError):  # already closed
             pass

@@ -15,7 +15,7 @@ so the states of a conversation, or of sessions sharing a system prompt, hold a 
 once, as memory does. Each model has a subdirectory named by its fingerprint
 (`model_fingerprint`); a state never loads into another model.
 
-Safety. A file is written under a unique temporary name and renamed into place (a reader, or
+Safety (`CheckedFiles`). A file is written under a unique temporary name and renamed into place (a reader, or
 another process, sees a whole file or none) and never changes afterwards: two processes writing one
 segment write the same bytes. Each file carries a CRC-32 of its arrays and metadata: a torn or
 corrupt file is removed with a warning, and the request prefills instead. A file that vanished
@@ -114,6 +114,129 @@ class _Corrupt(Exception):
     """A file failed its checks (it was removed)."""
 
 
+class CheckedFiles:
+    """The disk tier's files in one model's subdirectory (see the module's docstring): each written
+    whole, read back checked (its CRC-32 and model), touched when used, and the least recently used
+    of the whole directory, every model's, evicted to keep it within a byte budget. It counts bytes,
+    evictions and damaged files in the tier's `stats`.
+
+    Args:
+        root: the directory; the model's subdirectory is made if missing.
+        fingerprint: the model's `model_fingerprint`, which every file carries.
+        stats: the tier's `DiskStats`.
+    """
+
+    def __init__(self, root: Path, fingerprint: str, stats: DiskStats):
+        self.root, self.dir = root, root / fingerprint[:24]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint, self.stats = fingerprint, stats
+
+    def write(self, name: str, arrays: dict, meta: dict) -> None:
+        """Write a file whole or not at all: to a temporary name of this writer's own, then renamed."""
+        meta = dict(meta, model=self.fingerprint)
+        meta["crc32"] = _crc(arrays, meta)
+        temp = self.dir / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        try:
+            with open(temp, "xb") as f:
+                mx.save_safetensors(f, arrays, metadata=meta)
+                size = f.tell()
+            os.replace(temp, self.path(name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise
+        self.stats.bytes += size
+
+    def path(self, name: str) -> Path:
+        return self.dir / (name + SUFFIX)
+
+    def read(self, name: str, touch: bool = True) -> tuple[dict, dict]:
+        """A file's arrays and metadata, checked (and touched: it was used).
+
+        Raises:
+            _Vanished: it is gone or unreadable. _Corrupt: it failed a check (and was removed).
+        """
+        try:
+            with open(self.path(name), "rb") as f:  # (a path would make a missing file a RuntimeError)
+                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+            crc = meta.pop("crc32", None)
+            if meta.get("model") != self.fingerprint:
+                raise ValueError("another model's")
+            if crc != _crc(arrays, meta):
+                raise ValueError("checksum mismatch")
+        except OSError as e:
+            raise _Vanished(name) from e
+        except Exception as e:  # what MLX raises for a torn file, bad JSON, a checksum mismatch
+            raise self.corrupt(name, f"{type(e).__name__}: {e}") from None
+        if touch:
+            self.touch(name)
+        return arrays, meta
+
+    def corrupt(self, name: str, why: str) -> _Corrupt:
+        log.warning("prefix cache: %s is damaged (%s); removed", self.path(name), why)
+        self.stats.corrupt += 1
+        self.remove(name)
+        return _Corrupt(name)
+
+    def touch(self, name: str) -> bool:
+        """Mark a file as just used; False if it is not there."""
+        try:
+            os.utime(self.path(name))
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:  # a read-only directory: its files still load
+            return self.path(name).exists()
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            size = self.path(name).stat().st_size
+            self.path(name).unlink()
+            self.stats.bytes -= size
+
+    def listing(self) -> list[tuple[int, int, Path]]:
+        """(mtime, size, path) of every state and segment file of every model in the directory."""
+        out = []
+        for sub in os.scandir(self.root):
+            if not (MODEL_DIR.fullmatch(sub.name) and sub.is_dir()):
+                continue
+            for f in os.scandir(sub.path):
+                if FILE.fullmatch(f.name):
+                    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile by another process
+                        st = f.stat()
+                        out.append((st.st_mtime_ns, st.st_size, Path(f.path)))
+        return out
+
+    def fit(self, budget: int) -> list[str]:
+        """Once this process's count says the directory is over `budget`: remove its least recently
+        used files, of any model, until it is within LOW_WATER of it. Returns the names removed
+        from this model's subdirectory."""
+        if self.stats.bytes <= budget:
+            return []
+        files = sorted(self.listing())
+        total, removed = sum(size for _, size, _ in files), []
+        for _, size, path in files:
+            if total <= LOW_WATER * budget:
+                break
+            with contextlib.suppress(FileNotFoundError):  # another process got there first
+                path.unlink()
+                self.stats.evictions += 1
+            total -= size
+            if path.parent == self.dir:
+                removed.append(path.name[: -len(SUFFIX)])
+        self.stats.bytes = total
+        return removed
+
+    def sweep_temporaries(self) -> None:
+        """Remove what writes that were interrupted (a killed process) left, once surely not under way."""
+        now = time.time()
+        for f in os.scandir(self.dir):
+            if f.name.startswith(".") and f.name.endswith(".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    if now - f.stat().st_mtime > TEMP_AGE:
+                        os.unlink(f.path)
+
+
 class DiskTier:
     """The states of one model in `directory` (see the module's docstring); used by one thread,
     while other processes may use the directory too.
@@ -128,17 +251,15 @@ class DiskTier:
     def __init__(self, directory, fingerprint: str, budget: int, window: int):
         if budget <= 0:
             raise ValueError(f"a disk budget must be > 0 bytes, got {budget}")
-        self.root = Path(directory)
-        self.dir = self.root / fingerprint[:24]
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.fingerprint, self.budget, self.window = fingerprint, int(budget), window
         self.stats = DiskStats()
+        self.files = CheckedFiles(Path(directory), fingerprint, self.stats)
         self.writable = True
         self._entries: dict[str, _Entry] = {}
         self._by_first: dict[int, dict[str, list[_Entry]]] = {}  # first -> head -> entries
         self._listed: Optional[int] = None  # the directory's mtime when it was last listed
-        self._sweep_temporaries()
-        self.stats.bytes = sum(size for _, size, _ in self._files())
+        self.files.sweep_temporaries()
+        self.stats.bytes = sum(size for _, size, _ in self.files.listing())
         self._fit()
         self._refresh()
 
@@ -171,7 +292,7 @@ class DiskTier:
 
     def _restore(self, entry: _Entry, p: int, cache: KVCache) -> bool:
         try:  # (its first p tokens are ids': a hash of those before `first` and the rest one by one agree)
-            segments = json.loads(self._read(entry.name)[1]["segments"])
+            segments = json.loads(self.files.read(entry.name)[1]["segments"])
             full = self._gather(entry.name, segments, FULL, 0, p)
             sliding = self._gather(entry.name, segments, SLIDING, max(p - self.window - 1, 0), p)
         except (_Vanished, _Corrupt):  # a state whose segment is gone is of no use either
@@ -187,11 +308,11 @@ class DiskTier:
             if s_kind != kind or s_hi <= at or s_lo >= hi:
                 continue
             if s_lo > at:
-                raise self._corrupt(state, f"no segment holds position {at}")
-            parts.append((self._read(name)[0], at - s_lo, min(hi, s_hi) - s_lo))
+                raise self.files.corrupt(state, f"no segment holds position {at}")
+            parts.append((self.files.read(name)[0], at - s_lo, min(hi, s_hi) - s_lo))
             at = min(hi, s_hi)
         if at < hi:
-            raise self._corrupt(state, f"no segment holds position {at}")
+            raise self.files.corrupt(state, f"no segment holds position {at}")
         layers = sorted({int(n[1:]) for arrays, _, _ in parts for n in arrays})
         return {layer: tuple(mx.concatenate([a[f"{c}{layer}"][:, :, i:j] for a, i, j in parts], axis=2)
                              for c in "kv") for layer in layers}
@@ -217,17 +338,17 @@ class DiskTier:
         self._refresh()
         hashes = _prefix_hashes(self.fingerprint, ids, [first, m])
         name = "s-" + hashes[m]
-        if self._touch(name):
+        if self.files.touch(name):
             return
         entry = _Entry(name, m, anchor, first, hashes[first], ids[first:].copy())
         try:
             segments = self._segments(ids, cache, anchor, hashes[m])
             meta = dict(length=m, anchor=anchor, first=first, head=entry.head, tail=entry.tail.tolist(),
                         segments=segments)
-            self._write(name, {}, {k: json.dumps(v) for k, v in meta.items()})
+            self.files.write(name, {}, {k: json.dumps(v) for k, v in meta.items()})
         except OSError as e:
             self.writable = False
-            log.warning("prefix cache: writing to %s failed (%s); new states stay in memory only", self.dir, e)
+            log.warning("prefix cache: writing to %s failed (%s); new states stay in memory only", self.files.dir, e)
             return
         self._index(entry)
         self.stats.writes += 1
@@ -252,11 +373,11 @@ class DiskTier:
         found = [e for e, p in self._matches(ids, len(ids)) if p == e.length < len(ids)]
         for entry in sorted(found, key=lambda e: -e.length):
             try:
-                segments = json.loads(self._read(entry.name)[1]["segments"])
+                segments = json.loads(self.files.read(entry.name)[1]["segments"])
             except (_Vanished, _Corrupt):
                 self._remove(entry.name)
                 continue
-            if all(self._touch(s[3]) for s in segments):
+            if all(self.files.touch(s[3]) for s in segments):
                 full = [s for s in segments if s[0] == FULL]
                 sliding = [s for s in segments if s[0] == SLIDING and s[2] > anchor]
                 return entry.length, full, sliding if entry.anchor <= anchor else None
@@ -268,139 +389,34 @@ class DiskTier:
         if lo >= hi or kind not in cache.layer_types:
             return None
         name = "b-" + hashlib.sha256(f"{end_hash}:{kind}:{lo}".encode()).hexdigest()[:40]
-        if not self._touch(name):
+        if not self.files.touch(name):
             kv = cache.read(lo, hi, kind)
             arrays = {f"{c}{layer}": pair[j] for layer, pair in kv.items() for j, c in enumerate("kv")}
-            self._write(name, arrays, {"kind": kind, "lo": str(lo), "hi": str(hi)})
+            self.files.write(name, arrays, {"kind": kind, "lo": str(lo), "hi": str(hi)})
         return [kind, lo, hi, name]
-
-    def _write(self, name: str, arrays: dict, meta: dict) -> None:
-        """Write a file whole or not at all: to a temporary name of this writer's own, then renamed."""
-        meta = dict(meta, model=self.fingerprint)
-        meta["crc32"] = _crc(arrays, meta)
-        temp = self.dir / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        try:
-            with open(temp, "xb") as f:
-                mx.save_safetensors(f, arrays, metadata=meta)
-                size = f.tell()
-            os.replace(temp, self._path(name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                temp.unlink()
-            raise
-        self.stats.bytes += size
-
-    # ---- files ---------------------------------------------------------------------------------
-
-    def _path(self, name: str) -> Path:
-        return self.dir / (name + SUFFIX)
-
-    def _read(self, name: str, touch: bool = True) -> tuple[dict, dict]:
-        """A file's arrays and metadata, checked (and touched: it was used).
-
-        Raises:
-            _Vanished: it is gone or unreadable. _Corrupt: it failed a check (and was removed).
-        """
-        try:
-            with open(self._path(name), "rb") as f:  # (a path would make a missing file a RuntimeError)
-                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
-            crc = meta.pop("crc32", None)
-            if meta.get("model") != self.fingerprint:
-                raise ValueError("another model's")
-            if crc != _crc(arrays, meta):
-                raise ValueError("checksum mismatch")
-        except OSError as e:
-            raise _Vanished(name) from e
-        except Exception as e:  # what MLX raises for a torn file, bad JSON, a checksum mismatch
-            raise self._corrupt(name, f"{type(e).__name__}: {e}") from None
-        if touch:
-            self._touch(name)
-        return arrays, meta
-
-    def _corrupt(self, name: str, why: str) -> _Corrupt:
-        log.warning("prefix cache: %s is damaged (%s); removed", self._path(name), why)
-        self.stats.corrupt += 1
-        self._remove(name)
-        return _Corrupt(name)
-
-    def _touch(self, name: str) -> bool:
-        """Mark a file as just used; False if it is not there."""
-        try:
-            os.utime(self._path(name))
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError:  # a read-only directory: its files still load
-            return self._path(name).exists()
-
-    def _remove(self, name: str) -> None:
-        self._forget(name)
-        with contextlib.suppress(OSError):
-            size = self._path(name).stat().st_size
-            self._path(name).unlink()
-            self.stats.bytes -= size
-
-    def _files(self) -> list[tuple[int, int, Path]]:
-        """(mtime, size, path) of every state and segment file of every model in the directory."""
-        out = []
-        for sub in os.scandir(self.root):
-            if not (MODEL_DIR.fullmatch(sub.name) and sub.is_dir()):
-                continue
-            for f in os.scandir(sub.path):
-                if FILE.fullmatch(f.name):
-                    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile by another process
-                        st = f.stat()
-                        out.append((st.st_mtime_ns, st.st_size, Path(f.path)))
-        return out
-
-    def _fit(self) -> None:
-        """Once this process's count says the directory is over budget: remove its least recently
-        used files, of any model, until it is within LOW_WATER of the budget."""
-        if self.stats.bytes <= self.budget:
-            return
-        files = sorted(self._files())
-        total = sum(size for _, size, _ in files)
-        for _, size, path in files:
-            if total <= LOW_WATER * self.budget:
-                break
-            with contextlib.suppress(FileNotFoundError):  # another process got there first
-                path.unlink()
-                self.stats.evictions += 1
-            total -= size
-            if path.parent == self.dir:
-                self._forget(path.name[: -len(SUFFIX)])
-        self.stats.bytes = total
-
-    def _sweep_temporaries(self) -> None:
-        """Remove what writes that were interrupted (a killed process) left, once surely not under way."""
-        now = time.time()
-        for f in os.scandir(self.dir):
-            if f.name.startswith(".") and f.name.endswith(".tmp"):
-                with contextlib.suppress(FileNotFoundError):
-                    if now - f.stat().st_mtime > TEMP_AGE:
-                        os.unlink(f.path)
 
     # ---- the index -------------------------------------------------------------------------------
 
     def _refresh(self) -> None:
         """Index the states stored since the last look (by other processes, or before this one)."""
-        self.dir.mkdir(parents=True, exist_ok=True)  # (in case someone removed it)
-        listed = os.stat(self.dir).st_mtime_ns
+        folder = self.files.dir
+        folder.mkdir(parents=True, exist_ok=True)  # (in case someone removed it)
+        listed = os.stat(folder).st_mtime_ns
         if listed == self._listed:
             return
         self._listed = listed
-        names = {n[: -len(SUFFIX)] for n in os.listdir(self.dir) if n.startswith("s-") and FILE.fullmatch(n)}
+        names = {n[: -len(SUFFIX)] for n in os.listdir(folder) if n.startswith("s-") and FILE.fullmatch(n)}
         for name in set(self._entries) - names:
             self._forget(name)
         for name in sorted(names - set(self._entries)):
             try:
-                meta = self._read(name, touch=False)[1]
+                meta = self.files.read(name, touch=False)[1]
                 self._index(_Entry(name, int(meta["length"]), int(meta["anchor"]), int(meta["first"]),
                                    json.loads(meta["head"]), np.asarray(json.loads(meta["tail"]), dtype=np.int32)))
             except (_Vanished, _Corrupt):
                 continue
             except (KeyError, ValueError, TypeError) as e:  # checked, yet not what this version writes
-                self._corrupt(name, f"unexpected metadata: {e!r}")
+                self.files.corrupt(name, f"unexpected metadata: {e!r}")
 
     def _index(self, entry: _Entry) -> None:
         self._forget(entry.name)
@@ -417,6 +433,16 @@ class DiskTier:
             del heads[entry.head]
         if not heads:
             del self._by_first[entry.first]
+
+    def _fit(self) -> None:
+        """Keep the directory within the budget (`CheckedFiles.fit`); the states evicted leave the index."""
+        for name in self.files.fit(self.budget):
+            self._forget(name)
+
+    def _remove(self, name: str) -> None:
+        """Remove a file, and the state from the index if it is one."""
+        self._forget(name)
+        self.files.remove(name)
 
 
 def _prefix_hashes(fingerprint: str, ids: np.ndarray, at) -> dict[int, str]:

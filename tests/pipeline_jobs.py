@@ -62,7 +62,7 @@ def conversation(loaded) -> dict:
     """An Engine: a three-turn conversation next to one-shot requests (greedy and seeded)."""
     out = {}
     with Engine(loaded, max_batch=4, draft_tokens=3) as engine:
-        chat = engine.new_conversation(system="be brief")
+        chat = engine.conversations.new(system="be brief")
         one_shot = engine.submit(Request([5, 6, 7, 8, 9, 10], max_tokens=30))
         hot = engine.submit(Request("Tell me", max_tokens=30, sampling=HOT, seed=3))
         for turn, text in enumerate(["Hello there, how are you", "AND AGAIN, once more", "last one"]):

@@ -71,7 +71,7 @@ def test_speed_mode_prompts_and_dtype(tmp_path):
 def test_engine_mode_on_tiny_dense(tmp_path):
     out = tmp_path / "engine"
     rc = main(["engine", "--pair", "tiny-dense", "--clients", "1,2", "--fifo-clients", "2", "--max-tokens", "6",
-               "--repeats", "1", "--old-commit", "none", "--out", str(out)])
+               "--repeats", "1", "--out", str(out)])
     assert rc == 0
     res, md = _results(out)
     pair = res["pairs"][0]

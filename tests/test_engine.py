@@ -44,7 +44,7 @@ def test_threads_on_different_conversations_get_single_threaded_outputs(loaded, 
 
     def client(i):
         try:
-            conv = engine.new_conversation(system=f"bot {i}")
+            conv = engine.conversations.new(system=f"bot {i}")
             got[i] = [tokens_of(engine.submit(Request(t, conversation=conv, max_tokens=12, draft_tokens=2)))
                       for t in SCRIPTS[i]]
         except Exception as e:  # surfaced below
@@ -61,7 +61,7 @@ def test_threads_on_different_conversations_get_single_threaded_outputs(loaded, 
 
 
 def test_cancel_mid_stream_keeps_the_partial_reply(loaded, engine):
-    conv = engine.new_conversation()
+    conv = engine.conversations.new()
     handle = engine.submit(Request("tell me everything", conversation=conv, max_tokens=200))
     queued = engine.submit(Request("queued behind", conversation=conv, max_tokens=200))
     queued.cancel()
@@ -76,7 +76,7 @@ def test_cancel_mid_stream_keeps_the_partial_reply(loaded, engine):
     assert len(streamed) >= 3 and list(done.tokens) == streamed
     assert queued.result(WAIT).finish_reason == "cancelled"
     # The partial reply is part of the conversation, as streamed; the next turn continues it.
-    messages = engine.messages(conv)
+    messages = engine.conversations.messages(conv)
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[-1]["content"] == loaded.tokenizer.decode(streamed)
     reference = Conversation(loaded)
@@ -93,18 +93,18 @@ def test_errors_are_delivered_and_the_engine_goes_on(engine):
         engine.submit(Request(list(range(4, 100)) * 5, max_tokens=33, fit_max_tokens=True))
     assert (e.value.prompt_tokens, e.value.max_tokens) == (480, 33)
     assert len(engine.submit(Request(list(range(4, 100)) * 5, max_tokens=33)).result(WAIT).tokens) <= 32  # to the end
-    conv = engine.new_conversation()
+    conv = engine.conversations.new()
     with pytest.raises(mlx_mtp.ContextLengthError):
         engine.submit(Request("x" * 600, conversation=conv)).result(WAIT)
     with pytest.raises(ValueError):  # raised inside generation: the cache allows 7 tokens of rollback
         engine.submit(Request("hi", conversation=conv, draft_tokens=10)).result(WAIT)
-    assert engine.messages(conv) == []
+    assert engine.conversations.messages(conv) == []
     chat = Request(messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     in_conversation = engine.submit(Request("hi", conversation=conv, max_tokens=5))
     assert tokens_of(in_conversation) == tokens_of(engine.submit(chat))
     with pytest.raises(ValueError):
         engine.submit(Request())
-    engine.close_conversation(conv)
+    engine.conversations.close(conv)
     with pytest.raises(KeyError):
         engine.submit(Request("hi", conversation=conv))
 
@@ -167,7 +167,7 @@ def test_conversations_keep_their_cache_through_the_batch(loaded):
     """Two conversations and a one-shot request share the batch; each turn feeds only its new
     message (its cache came back from the batch), and replies equal a lone Conversation's."""
     with Engine(loaded) as engine:
-        convs = [engine.new_conversation(system=f"bot {i}") for i in range(2)]
+        convs = [engine.conversations.new(system=f"bot {i}") for i in range(2)]
         references = [Conversation(loaded, system=f"bot {i}") for i in range(2)]
         for text in ("hello there", "tell me more", "and then?"):
             busy = engine.submit(Request("x" * 40, max_tokens=30))
@@ -238,5 +238,5 @@ def test_the_prefill_budget_reaches_the_driver_and_changes_no_output(loaded):
         with Engine(loaded, prefill_tokens=budget) as engine:
             handles = [engine.submit(Request(prompt=p, max_tokens=10)) for p in prompts]
             replies.append([tokens_of(h) for h in handles])
-            assert engine._gen.prefill.budget == (budget or 512)
+            assert engine._worker.gen.prefill.budget == (budget or 512)
     assert replies[0] == replies[1] == replies[2]

@@ -289,13 +289,13 @@ def test_a_cancelled_prefill_leaves_its_chunks_and_a_retry_resumes_there_exactly
 
 def test_with_the_cache_off_only_conversations_keep_their_turn(loaded):
     with Engine(loaded, prompt_cache_bytes=0) as engine:
-        chat = engine.new_conversation(system=SYSTEM)
+        chat = engine.conversations.new(system=SYSTEM)
         turns = [engine.submit(Request(text, conversation=chat, max_tokens=8)).result(WAIT) for text in ("hi", "go on")]
         one_shot = [engine.submit(Request(messages=[{"role": "system", "content": SYSTEM},
                                                     {"role": "user", "content": "hi"}], max_tokens=8)).result(WAIT)
                     for _ in range(2)]
         kept = engine.metrics()["prefix_cache_bytes"]
-        engine.close_conversation(chat)
+        engine.conversations.close(chat)
         engine.submit(Request("x", max_tokens=1)).result(WAIT)  # the close runs before it
         assert engine.metrics()["prefix_cache_bytes"] == 0 < kept
     assert turns[1].stats.cached_tokens > len(SYSTEM) and [s.stats.cached_tokens for s in one_shot] == [0, 0]

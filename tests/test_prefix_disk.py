@@ -267,7 +267,7 @@ def test_two_processes_share_one_directory_without_damage(tmp_path):
     assert files and sum(f.stat().st_size for f in files) <= int(budget) + 20_000
     disk = tier(tmp_path / "cache", tiny_target("dense"))
     for f in files:  # every file left is whole
-        disk._read(f.name[: -len(".safetensors")], touch=False)
+        disk.files.read(f.name[: -len(".safetensors")], touch=False)
     assert disk.stats.corrupt == 0
 
 

@@ -9,5 +9,5 @@ Subcommands (see apps/README.md):
            drafter step cost, and a *projected* MTP speedup
   stepcost a pair's forward cost vs tokens per row and drafter step: MTP round cost in plain steps
 
-Every subcommand takes --regime stock|mkl|streaming (which BLAS serves fp32 matmuls; regime.py).
+Every subcommand takes --regime stock|mkl (which BLAS serves fp32 matmuls; regime.py).
 """

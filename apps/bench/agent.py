@@ -45,7 +45,7 @@ from apps.serve_load import free_port, start_server, stop_server, stream, wait_h
 from . import regime
 from .env import median
 from .pairs import MID_DRAFTER, MID_TARGET, ROOT, build, n_params
-from .report import fmt, table
+from .report import fmt, section, table
 
 DEMO = ROOT / "mlx_mtp" / "demo"
 TOOLS = ["read_file(path: str) -> str: the file's text", "write_file(path: str, text: str): replace a file",
@@ -183,18 +183,17 @@ def summary(name: str, cache: str, runs: list, reference: list, system_tokens: i
 
 
 def agent_md(res: dict) -> str:
-    out = [f"## Agent sessions through the server: {res['pair']}", "",
-           f"Measured. {res['description']}. System prompt {res['system_tokens']} tokens (tool declarations); up to "
-           f"{res['calls']} calls per session, each appending the model's reply (at most {res['reply_tokens']} "
-           f"tokens, greedy unless seeded) and a 40-120-token tool result, while the next call fits the "
-           f"{res['context']}-token context. Prefilled / new: prompt tokens the server prefilled over a session "
-           f"(`timings.prompt_n`) over the tokens new to it (its last prompt). TTFT: client-side, streamed, median "
-           f"over sessions. System prompt prefilled by: sessions whose first call restored fewer than the system "
-           f"prompt's tokens from the cache. Same replies: every reply equals the cache-off server's (or the first "
-           f"disk server's). Disk: the scenario on a server with `--prompt-cache-dir`, then on a new server on the "
-           f"directory (restarted); first TTFT / cold: the restarted server's first TTFT over the first server's. "
-           f"Bytes / token: what the prefix cache holds in memory and on disk at the end, over the tokens new to "
-           f"the sessions.", ""]
+    intro = (f"Measured. {res['description']}. System prompt {res['system_tokens']} tokens (tool declarations); up "
+             f"to {res['calls']} calls per session, each appending the model's reply (at most {res['reply_tokens']} "
+             f"tokens, greedy unless seeded) and a 40-120-token tool result, while the next call fits the "
+             f"{res['context']}-token context. Prefilled / new: prompt tokens the server prefilled over a session "
+             f"(`timings.prompt_n`) over the tokens new to it (its last prompt). TTFT: client-side, streamed, median "
+             f"over sessions. System prompt prefilled by: sessions whose first call restored fewer than the system "
+             f"prompt's tokens from the cache. Same replies: every reply equals the cache-off server's (or the first "
+             f"disk server's). Disk: the scenario on a server with `--prompt-cache-dir`, then on a new server on the "
+             f"directory (restarted); first TTFT / cold: the restarted server's first TTFT over the first server's. "
+             f"Bytes / token: what the prefix cache holds in memory and on disk at the end, over the tokens new to "
+             f"the sessions.")
     header = ["scenario", "prefix cache", "sessions", "calls", "last prompt", "prefilled", "new",
               "prefilled / new", "TTFT first ms", "TTFT last ms", "last / first", "first TTFT / cold",
               "system prompt prefilled by", "memory bytes / token", "disk bytes / token", "same replies"]
@@ -204,7 +203,7 @@ def agent_md(res: dict) -> str:
              fmt(r.get("ttft_first_over_cold"), ".3f"), r["system_prefills"],
              fmt(r.get("memory_bytes_per_token"), ".0f"), fmt(r.get("disk_bytes_per_token"), ".0f"),
              {True: "yes", False: "**no**", None: "-"}[r["same_replies"]]] for r in res["rows"]]
-    return "\n".join(out + [table(header, rows), ""])
+    return section(f"Agent sessions through the server: {res['pair']}", intro, table(header, rows))
 
 
 # ---- servers, pairs and text ----------------------------------------------------------------------

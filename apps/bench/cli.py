@@ -2,7 +2,7 @@
 structured,mixed,realsize,gpu,kernels,learn,prefill} [options]`
 (speed by default).
 
-Every mode takes `--regime {stock,mkl,streaming}` (see regime.py); it is set up before mlx is
+Every mode takes `--regime {stock,mkl}` (see regime.py); it is set up before mlx is
 imported, so this module imports nothing that imports mlx until then.
 """
 
@@ -41,8 +41,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--out", type=Path, default=Path("bench_out") / out, help="results.{md,json}, plot.png")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--regime", choices=regime.REGIMES, default="stock",
-                       help="BLAS for fp32 matmuls: stock (as installed), mkl, streaming (EMULATES a "
-                            "bandwidth-bound GPU: MKL + a weight-streaming sgemm for 1-8 rows)")
+                       help="BLAS for fp32 matmuls: stock (as installed) or mkl")
 
     s = sub.add_parser("speed", help="ours plain/MTP vs mlx-lm, B and K sweeps, prompt classes")
     common(s, "speed")
@@ -125,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=3, help="draft length of the MTP mode")
 
     g = sub.add_parser("engine", help="the Engine under N concurrent requests: aggregate/per-request tok/s, TTFT, "
-                                      "MTP on/off, max_batch=1 and the old single-request driver (issue 10)")
+                                      "MTP on/off, max_batch=1 and one request through generate_tokens (issue 10)")
     common(g, "engine")
     g.add_argument("--pair", default="demo,tiny-moe", help="comma list of demo, tiny-dense, tiny-moe, tiny-e2b "
                                                            "(loaded as stored: the demo pair in bf16)")
@@ -133,10 +132,8 @@ def parser() -> argparse.ArgumentParser:
                                                         "is the largest)")
     g.add_argument("--fifo-clients", type=int, default=8, help="N for the max_batch=1 baseline (0: none)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
-    g.add_argument("--old-commit", default="4491006", help="commit of the single-request driver, or 'none'")
     g.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"),
-                   help="compute dtype (stored: as the Engine loads it; float32 lets --regime serve the matmuls; "
-                        "not with the old driver)")
+                   help="compute dtype (stored: as the Engine loads it; float32 lets --regime serve the matmuls)")
     g.add_argument("--quick", action="store_true", help="N=1,8, 24 tokens, 1 repeat")
 
     f = sub.add_parser("ttft", help="time to first token vs mlx-vlm on the same checkpoint and prompts")

@@ -26,7 +26,7 @@ from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import SharedKV
 
 from .env import peak_mb, reset_peak, time_fn
-from .report import fmt, pivot, table
+from .report import fmt, pivot, section, table
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "fixtures" / "real_configs"
@@ -320,38 +320,42 @@ def run_cost(args, log=print) -> dict:
 
 
 def cost_md(res: dict) -> str:
-    out = []
-    for s in res["shapes"]:
-        sizes = s["sizes"]
-        out += [f"## Real-shape cost: {s['shape']} ({s['config']}), {s['bits_label']}, random weights, "
-                f"regime {res['regime']['name']}", "",
-                f"Measured: {s['copies_timed']} chained instance(s) of each layer kind, one row of T query tokens over "
-                f"a context of {s['context']} cached tokens (sliding layers: up to the window), median of "
-                f"{res['repeats']}; the tied {s['vocab']}-row head separately. Derived (not measured as a whole): a full "
-                f"{s['layers_total']}-layer forward = sum over kinds of (count x per-layer cost) + head"
-                + (" + per-layer-input projection" if any(s["ple_projection_ms"].values()) else "")
-                + f". Layer counts: {', '.join(f'{k} x{n}' for k, n in s['kinds'].items())}. Projected weight memory "
-                f"{s['projected_weight_gb']:.2f} GB (drafter {s['drafter_weight_gb']:.2f} GB); peak memory of this run "
-                f"{s['peak_mb']:.0f} MB; {s['seconds']:.0f} s.", ""]
-        header = ["T (tokens/forward)"] + [f"{k} ms/layer" for k in s["layer_ms"]] + ["head ms", "full forward ms (derived)",
-                                                                                     "ms per token"]
-        rows = [[T] + [fmt(s["layer_ms"][k][T], ".1f") for k in s["layer_ms"]] + [
-            fmt(s["head_ms"][T], ".1f"), fmt(s["forward_ms"][T], ".0f"), fmt(s["forward_ms"][T] / T, ".0f")]
-            for T in sizes]
-        out += [table(header, rows), ""]
-        if s["drafter_ms"]:
-            out += [f"Drafter step ({s['drafter_config']}), measured: " + ", ".join(
-                f"B={b}: {fmt(v, '.1f')} ms" for b, v in s["drafter_ms"].items()), ""]
-        else:
-            out += [f"Drafter: {s['drafter_config']}: no projection", ""]
-        p = s["projection"]
-        if p["speedup"]:
-            out += [f"**PROJECTION** (not a measurement): MTP speed-up over plain decoding at the same B, "
-                    f"= E[tokens|K] x cost(T=B) / (cost(T=B(K+1)) + K x drafter(B)); per-position acceptance "
-                    f"{' '.join(f'{a:.3f}' for a in s['acceptance'][:max(p['ks'])])} ({s['acceptance_source']})."
-                    + (f" Entries {', '.join(p['extrapolated'])} extrapolate the forward cost linearly past "
-                       f"T={max(sizes)}." if p["extrapolated"] else ""), "",
-                    pivot(p["speedup"], p["ks"], p["batches"], "projected speed-up"), "",
-                    "Projected plain decode on this machine (full depth): " + ", ".join(
-                        f"B={b}: {v:.2f} tok/s" for b, v in p["plain_tps"].items()), ""]
-    return "\n".join(out)
+    return "\n".join(shape_md(s, res) for s in res["shapes"])
+
+
+def shape_md(s: dict, res: dict) -> str:
+    sizes = s["sizes"]
+    intro = (f"Measured: {s['copies_timed']} chained instance(s) of each layer kind, one row of T query tokens over "
+             f"a context of {s['context']} cached tokens (sliding layers: up to the window), median of "
+             f"{res['repeats']}; the tied {s['vocab']}-row head separately. Derived (not measured as a whole): a full "
+             f"{s['layers_total']}-layer forward = sum over kinds of (count x per-layer cost) + head"
+             + (" + per-layer-input projection" if any(s["ple_projection_ms"].values()) else "")
+             + f". Layer counts: {', '.join(f'{k} x{n}' for k, n in s['kinds'].items())}. Projected weight memory "
+             f"{s['projected_weight_gb']:.2f} GB (drafter {s['drafter_weight_gb']:.2f} GB); peak memory of this run "
+             f"{s['peak_mb']:.0f} MB; {s['seconds']:.0f} s.")
+    header = (["T (tokens/forward)"] + [f"{k} ms/layer" for k in s["layer_ms"]]
+              + ["head ms", "full forward ms (derived)", "ms per token"])
+    rows = [[T] + [fmt(s["layer_ms"][k][T], ".1f") for k in s["layer_ms"]] + [
+        fmt(s["head_ms"][T], ".1f"), fmt(s["forward_ms"][T], ".0f"), fmt(s["forward_ms"][T] / T, ".0f")]
+        for T in sizes]
+    if s["drafter_ms"]:
+        drafter = f"Drafter step ({s['drafter_config']}), measured: " + ", ".join(
+            f"B={b}: {fmt(v, '.1f')} ms" for b, v in s["drafter_ms"].items())
+    else:
+        drafter = f"Drafter: {s['drafter_config']}: no projection"
+    return section(f"Real-shape cost: {s['shape']} ({s['config']}), {s['bits_label']}, random weights, "
+                   f"regime {res['regime']['name']}", intro, table(header, rows), drafter, *projection(s))
+
+
+def projection(s: dict) -> list:
+    p = s["projection"]
+    if not p["speedup"]:
+        return []
+    return [f"**PROJECTION** (not a measurement): MTP speed-up over plain decoding at the same B, "
+            f"= E[tokens|K] x cost(T=B) / (cost(T=B(K+1)) + K x drafter(B)); per-position acceptance "
+            f"{' '.join(f'{a:.3f}' for a in s['acceptance'][:max(p['ks'])])} ({s['acceptance_source']})."
+            + (f" Entries {', '.join(p['extrapolated'])} extrapolate the forward cost linearly past "
+               f"T={max(s['sizes'])}." if p["extrapolated"] else ""),
+            pivot(p["speedup"], p["ks"], p["batches"], "projected speed-up"),
+            "Projected plain decode on this machine (full depth): " + ", ".join(
+                f"B={b}: {v:.2f} tok/s" for b, v in p["plain_tps"].items())]

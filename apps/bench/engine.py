@@ -5,23 +5,19 @@ moment (a barrier) and read their events; per configuration: aggregate tok/s (al
 from the first submit to the last event), per-request tok/s (its tokens / its own submit-to-done
 time, queueing included) and decode tok/s (after its first token), time to first token p50/p95
 over every request of every repeat, MTP on vs off. Baselines in the same run: `max_batch=1`
-(the FIFO engine) at N = `--fifo-clients`, and one request through the Engine of an older
-checkout (`--old-commit`, default 4491006: the single-request driver), served by a child
-process that imports that checkout (apps/bench/old_driver.py). Stop tokens are disabled so
-every request generates exactly `--max-tokens`; every output is checked against the pair's
-plain greedy output of its prompt. All configurations are interleaved within each repeat;
-ratios are medians of within-repeat ratios.
+(the FIFO engine) at N = `--fifo-clients`, and one request through `generate_tokens` on this
+thread (what the Engine's worker adds at N = 1). Stop tokens are disabled so every request
+generates exactly `--max-tokens`; every output is checked against the pair's plain greedy output
+of its prompt. All configurations are interleaved within each repeat; ratios are medians of
+within-repeat ratios.
+
+The old single-request driver of commit 4491006 (run in a child process) was removed in issue 38;
+its figures in apps/README.md came from that code, at commit d223093.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
-import os
-import subprocess
-import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -37,10 +33,10 @@ from mlx_mtp.stats import Stats
 
 from .env import median
 from .prompts import prompt_sets
-from .report import fmt, table
-from .speed import ROOT, pair_dirs, quantization_label
+from .report import checked, fmt, section, table
+from .speed import pair_dirs, quantization_label
 
-TARGETS = {"batch": 2.5, "mtp": 0.95, "old": 0.95}
+TARGETS = {"batch": 2.5, "mtp": 0.95, "gen": 0.95}
 
 
 def percentile(xs, q):
@@ -49,7 +45,7 @@ def percentile(xs, q):
 
 @dataclasses.dataclass
 class Config:
-    driver: str  # "new" (Engine), "gen" (this checkout's generate_tokens) or "old" (old generate_tokens)
+    driver: str  # "new" (Engine) or "gen" (generate_tokens on this thread)
     max_batch: int
     clients: int
     mtp: bool
@@ -57,7 +53,7 @@ class Config:
 
     @property
     def key(self) -> str:
-        mb = self.driver if self.driver in ("old", "gen") else f"mb{self.max_batch}"
+        mb = "gen" if self.driver == "gen" else f"mb{self.max_batch}"
         return f"{mb}-n{self.clients}-{'mtp' if self.mtp else 'plain'}"
 
 
@@ -97,7 +93,7 @@ def run_clients(engine: Engine, prompts: list, n: int, mtp: bool) -> dict:
 
 
 def run_generate(loaded, prompt: list, n: int, mtp: bool) -> dict:
-    """One request through this checkout's generate_tokens on this thread (as old_driver.py)."""
+    """One request through generate_tokens on this thread: the Engine's work without its worker."""
     stats = Stats()
     start = time.perf_counter()
     tokens, first = [], None
@@ -123,48 +119,6 @@ def summarize_run(reqs: list) -> dict:
     )
 
 
-class OldDriver:
-    """One request at a time through an older checkout's Engine, in a child process."""
-
-    def __init__(self, commit: str, target_dir: Path, drafter_dir: Path, regime: str, log):
-        self.tree = old_tree(commit, log)
-        env = dict(os.environ, PYTHONPATH=str(self.tree))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("old_driver.py")), regime, str(target_dir),
-             str(drafter_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=self.tree)
-        hello = json.loads(self.proc.stdout.readline() or "{}")
-        if not hello.get("ready") or not hello["mlx_mtp"].startswith(str(self.tree)):
-            raise RuntimeError(f"the old driver did not start from {self.tree}: {hello}")
-
-    def run(self, prompt: list, n: int, mtp: bool) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": n, "mtp": mtp}) + "\n")
-        self.proc.stdin.flush()
-        r = json.loads(self.proc.stdout.readline())
-        req = dict(start=0.0, first=r["ttft"], done=r["seconds"], tokens=r["tokens"], **r["stats"])
-        return summarize_run([req])
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
-def old_tree(commit: str, log) -> Path:
-    """The files of `commit`, extracted once (git archive) under the system temp dir; no
-    worktree is registered."""
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", commit], capture_output=True,
-                         text=True, check=True).stdout.strip()
-    tree = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlx_mtp-{sha}"
-    if not (tree / "mlx_mtp" / "engine.py").exists():
-        log(f"extracting commit {sha} to {tree}")
-        blob = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, "mlx_mtp"],
-                              capture_output=True, check=True).stdout
-        tmp = tree.with_name(tree.name + f".{os.getpid()}.tmp")
-        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-            tar.extractall(tmp)
-        os.replace(tmp, tree)
-    return tree
-
-
 def pair_prompts(loaded, target_dir: Path, rows: int) -> tuple[str, list]:
     sets = prompt_sets(loaded, target_dir, rows)
     cls = "code" if "code" in sets else "fixture"
@@ -180,21 +134,14 @@ def bench_pair(pair: str, args, log) -> dict:
     cls, prompts = pair_prompts(loaded, target_dir, rows)
     truth = [[t for t, _ in generate_tokens(loaded.target, p, max_tokens=n)] for p in prompts]
     engines = {1: Engine(loaded, max_batch=1), max(clients): Engine(loaded, max_batch=max(clients))}
-    old = None
-    if args.old_commit != "none":
-        old = OldDriver(args.old_commit, target_dir, drafter_dir, args.regime, log)
     configs = []
     for mtp in (True, False):
         configs += [Config("new", max(clients), c, mtp) for c in clients]
         if args.fifo_clients:
             configs.append(Config("new", 1, args.fifo_clients, mtp))
         configs.append(Config("gen", 1, 1, mtp))
-        if old is not None:
-            configs.append(Config("old", 1, 1, mtp))
 
     def once(c: Config) -> dict:
-        if c.driver == "old":
-            return old.run(prompts[0], n, c.mtp)
         if c.driver == "gen":
             return run_generate(loaded, prompts[0], n, c.mtp)
         return run_clients(engines[c.max_batch], prompts[: c.clients], n, c.mtp)
@@ -213,8 +160,6 @@ def bench_pair(pair: str, args, log) -> dict:
         log(f"  repeat {r + 1}/{args.repeats} done ({time.perf_counter() - started:.0f} s)")
     for e in engines.values():
         e.close()
-    if old is not None:
-        old.close()
     return dict(pair=pair, prompt_class=cls, prompt_tokens=[len(p) for p in prompts],
                 quantization=quantization_label(target_dir, loaded.target),
                 rows=[row(c) for c in configs], ratios=ratios(configs, clients, args.fifo_clients),
@@ -247,8 +192,7 @@ def ratios(configs: list, clients: list, fifo: int) -> dict:
     out = {}
     for mtp in ("mtp", "plain"):
         out[f"batch_vs_fifo_{mtp}"] = ratio(f"mb{mb}-n{fifo}-{mtp}", f"mb1-n{fifo}-{mtp}")
-        out[f"n1_vs_old_{mtp}"] = ratio(f"mb{mb}-n1-{mtp}", f"old-n1-{mtp}")
-        out[f"gen_vs_old_{mtp}"] = ratio(f"gen-n1-{mtp}", f"old-n1-{mtp}")
+        out[f"n1_vs_gen_{mtp}"] = ratio(f"mb{mb}-n1-{mtp}", f"gen-n1-{mtp}")
     for c in clients:
         out[f"mtp_vs_plain_n{c}"] = ratio(f"mb{mb}-n{c}-mtp", f"mb{mb}-n{c}-plain")
     out["mtp_vs_plain_fifo"] = ratio(f"mb1-n{fifo}-mtp", f"mb1-n{fifo}-plain")
@@ -258,11 +202,9 @@ def ratios(configs: list, clients: list, fifo: int) -> dict:
 def run_engine(args, log=print) -> dict:
     if args.quick:
         args.clients, args.max_tokens, args.repeats = "1,8", 24, 1
-    if args.dtype != "stored" and args.old_commit != "none":
-        raise SystemExit("--dtype needs --old-commit none (the old driver loads as stored)")
     pairs = [bench_pair(p, args, log) for p in args.pair.split(",")]
     return dict(mode="engine", max_tokens=args.max_tokens, repeats=args.repeats, clients=args.clients,
-                fifo_clients=args.fifo_clients, old_commit=args.old_commit, pairs=pairs,
+                fifo_clients=args.fifo_clients, pairs=pairs,
                 mismatches=[m for p in pairs for m in p["mismatches"]])
 
 
@@ -273,41 +215,34 @@ def verdict(value: Optional[float], target: float) -> str:
 
 
 def engine_md(res: dict) -> str:
-    out = [f"## Engine under N concurrent requests, regime {res['regime']['name']}", "",
-           f"Measured. Greedy requests of {res['max_tokens']} tokens (stop tokens disabled), one per client thread, "
-           f"submitted at once; {res['repeats']} interleaved repeats after a warm-up; aggregate = all tokens / wall "
-           "from the first submit to the last event; per-request tok/s = its tokens / its submit-to-done time "
-           "(queueing included); decode tok/s after its first token; TTFT percentiles over every request of every "
-           f"repeat. `mb1` = `Engine(max_batch=1)` (FIFO); `gen` = one request through this checkout's "
-           f"`generate_tokens`; `old` = one request through `generate_tokens` of commit {res['old_commit']} (the "
-           "single-request driver, in a child process that imports that commit; its Engine's worker thread fails on "
-           "MLX 0.32). Ratios: medians of within-repeat "
-           "ratios of aggregate tok/s.", ""]
-    for p in res["pairs"]:
-        r = p["ratios"]
-        out += [f"### {p['pair']} ({p['quantization']}), {p['prompt_class']} prompts of "
-                f"{min(p['prompt_tokens'])}-{max(p['prompt_tokens'])} tokens", ""]
-        if p["mismatches"]:
-            out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in p["mismatches"]] + [""]
-        else:
-            out += ["Every request's output equals its prompt's plain greedy output (every configuration, repeat).", ""]
-        label = {"old": "old generate_tokens", "gen": "generate_tokens"}
-        rows = [[x["key"], x["clients"], label.get(x["driver"], x["max_batch"]),
-                 "on" if x["mtp"] else "off", fmt(x["aggregate_tps"], ".1f"), fmt(x["per_request_tps"], ".1f"),
-                 fmt(x["decode_tps"], ".1f"), fmt(x["ttft_p50_ms"], ".0f"), fmt(x["ttft_p95_ms"], ".0f"),
-                 fmt(x["acceptance_length"]), fmt(x["plain_step_share"])] for x in p["rows"]]
-        out += [table(["config", "N", "max_batch", "MTP", "aggregate tok/s", "per-request tok/s", "decode tok/s",
-                       "TTFT p50 ms", "TTFT p95 ms", "accept. length", "plain-step share"], rows), ""]
-        targets = [["N=" + str(res["fifo_clients"]) + " batched / max_batch=1 (MTP on)",
-                    verdict(r["batch_vs_fifo_mtp"], TARGETS["batch"])],
-                   ["N=" + str(res["fifo_clients"]) + " batched / max_batch=1 (MTP off)",
-                    verdict(r["batch_vs_fifo_plain"], TARGETS["batch"])]]
-        targets += [[f"MTP on / off, N={k.split('_n')[1]}", verdict(v, TARGETS["mtp"])]
-                    for k, v in r.items() if k.startswith("mtp_vs_plain_n")]
-        targets += [["MTP on / off, max_batch=1", verdict(r["mtp_vs_plain_fifo"], TARGETS["mtp"])],
-                    ["N=1 Engine / old generate_tokens (MTP on)", verdict(r["n1_vs_old_mtp"], TARGETS["old"])],
-                    ["N=1 Engine / old generate_tokens (MTP off)", verdict(r["n1_vs_old_plain"], TARGETS["old"])],
-                    ["generate_tokens new / old (MTP on)", verdict(r["gen_vs_old_mtp"], TARGETS["old"])],
-                    ["generate_tokens new / old (MTP off)", verdict(r["gen_vs_old_plain"], TARGETS["old"])]]
-        out += [table(["ratio (aggregate tok/s)", "measured"], targets), ""]
-    return "\n".join(out)
+    intro = (f"Measured. Greedy requests of {res['max_tokens']} tokens (stop tokens disabled), one per client "
+             f"thread, submitted at once; {res['repeats']} interleaved repeats after a warm-up; aggregate = all "
+             "tokens / wall from the first submit to the last event; per-request tok/s = its tokens / its "
+             "submit-to-done time (queueing included); decode tok/s after its first token; TTFT percentiles over "
+             "every request of every repeat. `mb1` = `Engine(max_batch=1)` (FIFO); `gen` = one request through "
+             "`generate_tokens` on the calling thread. Ratios: medians of within-repeat ratios of aggregate tok/s.")
+    return section(f"Engine under N concurrent requests, regime {res['regime']['name']}", intro,
+                   *[pair_part(p, res["fifo_clients"]) for p in res["pairs"]])
+
+
+def pair_part(p: dict, fifo: int) -> tuple:
+    """One pair's subsection: the output check, every configuration, the ratios against issue 10's targets."""
+    check = checked(p["mismatches"], "Every request's output equals its prompt's plain greedy output (every "
+                                     "configuration, repeat).")
+    rows = [[x["key"], x["clients"], "generate_tokens" if x["driver"] == "gen" else x["max_batch"],
+             "on" if x["mtp"] else "off", fmt(x["aggregate_tps"], ".1f"), fmt(x["per_request_tps"], ".1f"),
+             fmt(x["decode_tps"], ".1f"), fmt(x["ttft_p50_ms"], ".0f"), fmt(x["ttft_p95_ms"], ".0f"),
+             fmt(x["acceptance_length"]), fmt(x["plain_step_share"])] for x in p["rows"]]
+    configs = table(["config", "N", "max_batch", "MTP", "aggregate tok/s", "per-request tok/s", "decode tok/s",
+                     "TTFT p50 ms", "TTFT p95 ms", "accept. length", "plain-step share"], rows)
+    r = p["ratios"]
+    targets = [[f"N={fifo} batched / max_batch=1 (MTP on)", verdict(r["batch_vs_fifo_mtp"], TARGETS["batch"])],
+               [f"N={fifo} batched / max_batch=1 (MTP off)", verdict(r["batch_vs_fifo_plain"], TARGETS["batch"])]]
+    targets += [[f"MTP on / off, N={k.split('_n')[1]}", verdict(v, TARGETS["mtp"])]
+                for k, v in r.items() if k.startswith("mtp_vs_plain_n")]
+    targets += [["MTP on / off, max_batch=1", verdict(r["mtp_vs_plain_fifo"], TARGETS["mtp"])],
+                ["N=1 Engine / generate_tokens (MTP on)", verdict(r["n1_vs_gen_mtp"], TARGETS["gen"])],
+                ["N=1 Engine / generate_tokens (MTP off)", verdict(r["n1_vs_gen_plain"], TARGETS["gen"])]]
+    return (f"{p['pair']} ({p['quantization']}), {p['prompt_class']} prompts of "
+            f"{min(p['prompt_tokens'])}-{max(p['prompt_tokens'])} tokens", check, configs,
+            table(["ratio (aggregate tok/s)", "measured"], targets))

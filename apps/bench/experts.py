@@ -17,7 +17,7 @@ from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
 
 from .env import median, time_fn
-from .report import fmt, table
+from .report import fmt, section, table
 from .speed import TINY
 
 
@@ -137,22 +137,24 @@ def run_experts(args, log=print) -> dict:
 
 
 def experts_md(res: dict) -> str:
-    out = [f"## MoE expert union: {res['model']} ({res['experts']} experts, top-{res['top_k']}, "
-           f"{res['layers']} MoE layers), regime {res['regime']['name']}", "",
-           "Measured during real batched MTP generation (BatchGenerator, greedy; K=0 is plain decoding): per verify "
-           "forward, the number of distinct experts each layer's router selected over all B x (K+1) tokens, mean "
-           "over layers and rounds. 'uniform' is what independent uniformly random routing would touch. Time per "
-           f"step: median of {res['repeats']} runs with the recorder off.", ""]
+    intro = ("Measured during real batched MTP generation (BatchGenerator, greedy; K=0 is plain decoding): per "
+             "verify forward, the number of distinct experts each layer's router selected over all B x (K+1) tokens, "
+             "mean over layers and rounds. 'uniform' is what independent uniformly random routing would touch. Time "
+             f"per step: median of {res['repeats']} runs with the recorder off.")
     rows = [[r["batch"], r["k"], r["tokens_per_forward"], fmt(r["union_mean"]), fmt(r["union_max"]),
              fmt(r["uniform_union"]), " ".join(f"{u:.1f}" for u in r["union_per_layer"]), fmt(r["step_ms"], ".1f"),
              r["rounds"]] for r in res["rows"]]
-    out += [table(["B", "K", "tokens/forward", "union (mean)", "union (max)", "uniform routing", "per layer",
-                   "ms/step", "rounds"], rows), ""]
-    for key, block in res["sort"].items():
-        out += [f"### SwitchGLU sorted-indices path: {block['shape']}", "",
-                "Measured: one SwitchGLU forward (gather_mm / gather_qmm), random routing, forced unsorted vs "
-                "forced sorted; mlx-lm's default sorts when tokens x top_k >= 64.", ""]
-        rows = [[r["tokens"], r["indices"], "sorted" if r["default_sorts"] else "unsorted", fmt(r["unsorted_ms"], ".2f"),
-                 fmt(r["sorted_ms"], ".2f"), fmt(r["sorted_speedup"]) + "x"] for r in block["rows"]]
-        out += [table(["tokens", "indices", "mlx-lm default", "unsorted ms", "sorted ms", "sorted speed-up"], rows), ""]
-    return "\n".join(out)
+    unions = table(["B", "K", "tokens/forward", "union (mean)", "union (max)", "uniform routing", "per layer",
+                    "ms/step", "rounds"], rows)
+    return section(f"MoE expert union: {res['model']} ({res['experts']} experts, top-{res['top_k']}, "
+                   f"{res['layers']} MoE layers), regime {res['regime']['name']}", intro, unions,
+                   *[sort_part(block) for block in res["sort"].values()])
+
+
+def sort_part(block: dict) -> tuple:
+    rows = [[r["tokens"], r["indices"], "sorted" if r["default_sorts"] else "unsorted", fmt(r["unsorted_ms"], ".2f"),
+             fmt(r["sorted_ms"], ".2f"), fmt(r["sorted_speedup"]) + "x"] for r in block["rows"]]
+    return (f"SwitchGLU sorted-indices path: {block['shape']}",
+            "Measured: one SwitchGLU forward (gather_mm / gather_qmm), random routing, forced unsorted vs "
+            "forced sorted; mlx-lm's default sorts when tokens x top_k >= 64.",
+            table(["tokens", "indices", "mlx-lm default", "unsorted ms", "sorted ms", "sorted speed-up"], rows))

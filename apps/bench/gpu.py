@@ -39,7 +39,7 @@ from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, first
 from .pairs import ROOT
 from .realsize import expert_unions
 from .realsize import sources as real_sources
-from .report import table
+from .report import section, table
 
 GiB = 2**30
 BITS = 4
@@ -442,30 +442,28 @@ def shape_rows(shapes: dict) -> list:
 def gpu_md(res: dict) -> str:
     kind = "SMOKE RUN (tiny shapes)" if res["smoke"] else "random weights at the released shapes"
     bw = res["bandwidth"]
-    out = [f"## GPU suite: {res['card']}, MLX {res['backend']} backend, mlx {res['mlx']} ({kind})", "",
-           f"{res['bits']}-bit affine (group 64) targets and assistants built in memory; greedy; oracle "
-           f"p = {res['p']}. Copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s "
-           f"({bw['buffer_bytes'] / GiB:.2f} GiB read and written); "
-           f"roofline = bytes a decode step reads / that bandwidth / the measured step. Whole run "
-           f"{res['seconds']:.0f} s." + (f" JSON: `{res['saved']}`." if res.get("saved") else ""), "",
-           table(["figure", *res["shapes"]], shape_rows(res["shapes"])), ""]
-    out += ["Stages, in order of value" + (f" (budget {res['budget_s']:.0f} s)" if res.get("budget_s") else "")
-            + f"; MLX's kernel cache: {_cache(res.get('kernel_cache'))}:", "",
-            table(["stage", "seconds", "kernels"], [[name, f"{st['seconds']:.0f}" if "seconds" in st else
-                                                     f"skipped: {st['skipped']}", st.get("kernels") or "-"]
-                                                    for name, st in res.get("stages", {}).items()]), ""]
+    parts = [f"{res['bits']}-bit affine (group 64) targets and assistants built in memory; greedy; oracle "
+             f"p = {res['p']}. Copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s "
+             f"({bw['buffer_bytes'] / GiB:.2f} GiB read and written); "
+             f"roofline = bytes a decode step reads / that bandwidth / the measured step. Whole run "
+             f"{res['seconds']:.0f} s." + (f" JSON: `{res['saved']}`." if res.get("saved") else ""),
+             table(["figure", *res["shapes"]], shape_rows(res["shapes"])),
+             "Stages, in order of value" + (f" (budget {res['budget_s']:.0f} s)" if res.get("budget_s") else "")
+             + f"; MLX's kernel cache: {_cache(res.get('kernel_cache'))}:",
+             table(["stage", "seconds", "kernels"], [[name, f"{st['seconds']:.0f}" if "seconds" in st else
+                                                      f"skipped: {st['skipped']}", st.get("kernels") or "-"]
+                                                     for name, st in res.get("stages", {}).items()])]
     ran = [f"- {shape}: {r['kernels_ran']}" for shape, r in res["shapes"].items() if r.get("kernels_ran")]
     if ran:
-        out += [f"Kernels (`--kernels {res.get('kernels', 'auto')}`), per family, with the products that took "
-                "them:", "",
-                *ran, ""]
+        parts += [f"Kernels (`--kernels {res.get('kernels', 'auto')}`), per family, with the products that took "
+                  "them:", "\n".join(ran)]
     errors = [f"- {shape}: {r['peers'][key]}" for shape, r in res["shapes"].items()
               for key in ("mlx_lm_error", "mlx_vlm_error") if r.get("peers", {}).get(key)]
     if errors:
-        out += ["Peers that could not run:", "", *errors, ""]
+        parts += ["Peers that could not run:", "\n".join(errors)]
     if res.get("demo"):
-        out += ["Demo pair (bf16 as stored), held-out stdlib code:", "",
-                table(["B", "plain tok/s", "auto tok/s", "auto / plain", "equals plain"],
-                      [[B, f"{r['plain_tok_s']:.1f}", f"{r['auto_tok_s']:.1f}", _x(r["speedup"]),
-                        "yes" if r["equals_plain"] else "**no**"] for B, r in res["demo"].items()]), ""]
-    return "\n".join(out)
+        parts += ["Demo pair (bf16 as stored), held-out stdlib code:",
+                  table(["B", "plain tok/s", "auto tok/s", "auto / plain", "equals plain"],
+                        [[B, f"{r['plain_tok_s']:.1f}", f"{r['auto_tok_s']:.1f}", _x(r["speedup"]),
+                          "yes" if r["equals_plain"] else "**no**"] for B, r in res["demo"].items()])]
+    return section(f"GPU suite: {res['card']}, MLX {res['backend']} backend, mlx {res['mlx']} ({kind})", *parts)

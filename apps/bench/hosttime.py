@@ -42,7 +42,7 @@ from mlx_mtp.speculative import K_MAX, Plan, run_round
 
 from .env import median
 from .prompts import prompt_sets
-from .report import fmt, table
+from .report import checked, fmt, section, table
 from .speed import pair_dirs, quantization_label
 
 WARMUP_ROUNDS = 5
@@ -223,34 +223,31 @@ def run_hosttime(args, log=print) -> dict:
 
 
 def hosttime_md(res: dict) -> str:
-    out = [f"## Exposed host time per round: {res['pair']} ({res['quantization']}), B={res['batch']}, regime "
-           f"{res['regime']['name']}", "",
-           f"Measured. A {res['prompt_class']} prompt of {res['prompt_tokens']} tokens, greedy, fixed K (0: plain); per "
-           f"repeat {res['rounds']} pipelined `step()` calls (wall per round) and {res['rounds']} rounds of the same "
-           "state built with `run_round` and evaluated alone (device-only time, host build time); exposed = wall - "
-           f"device-only, medians of {res['repeats']} repeats after a warm-up. launch / read: time inside the "
-           "driver's `_launch` (build + queue the next round) and `_read` (wait for a round, hand out its tokens) per "
-           "step. CPU ms: the process's CPU time while a round is evaluated alone (other jobs on the cores "
-           "disturb it less than wall time). Target (issue 13): exposed host time per MTP round <= 1 ms at B = 1. "
-           "Graph nodes of one built "
-           "round: matmuls / views (no work) / the rest; weight matmuls alone: the round's Linear layers and heads "
-           "with every other node free (module docstring).", ""]
-    rows = [[r["k"], fmt(r["wall_ms"]), fmt(r["device_ms"]), fmt(r.get("device_cpu_ms")),
-             f"{fmt(r.get('plain_steps_per_round'))} / {fmt(r.get('plain_steps_per_round_cpu'))}",
-             fmt(r["exposed_ms"]), "-" if r["k"] == 0 else ("met" if r["exposed_ms"] <= 1.0 else "MISSED"),
-             fmt(r["build_ms"]), fmt(r["launch_ms"]), fmt(r["read_ms"]), fmt(r["tokens_per_round"]),
-             fmt(r["nodes_per_round"]), _split(r), fmt(r["nodes_per_token"], ".0f"), fmt(r.get("matmul_floor_ms"))]
-            for r in res["rows"]]
-    if res["mismatches"]:
-        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
-    else:
-        out += ["The pipelined rounds' tokens equal plain greedy decoding (every K, repeat).", ""]
-    out += [table(["K", "wall ms/round (pipelined)", "device-only ms/round", "its CPU ms",
-                   "round in plain steps (wall / CPU)",
-                   "exposed host ms/round", "target <= 1 ms", "host build ms", "in _launch ms", "in _read ms",
-                   "tokens/row/round", "graph nodes/round", "matmul / view / rest", "nodes/token",
-                   "weight matmuls alone ms"], rows), ""]
-    return "\n".join(out)
+    intro = (f"Measured. A {res['prompt_class']} prompt of {res['prompt_tokens']} tokens, greedy, fixed K (0: plain); "
+             f"per repeat {res['rounds']} pipelined `step()` calls (wall per round) and {res['rounds']} rounds of the "
+             "same state built with `run_round` and evaluated alone (device-only time, host build time); exposed = "
+             f"wall - device-only, medians of {res['repeats']} repeats after a warm-up. launch / read: time inside "
+             "the driver's `_launch` (build + queue the next round) and `_read` (wait for a round, hand out its "
+             "tokens) per step. CPU ms: the process's CPU time while a round is evaluated alone (other jobs on the "
+             "cores disturb it less than wall time). Target (issue 13): exposed host time per MTP round <= 1 ms at "
+             "B = 1. Graph nodes of one built round: matmuls / views (no work) / the rest; weight matmuls alone: the "
+             "round's Linear layers and heads with every other node free (module docstring).")
+    check = checked(res["mismatches"], "The pipelined rounds' tokens equal plain greedy decoding (every K, repeat).")
+    return section(f"Exposed host time per round: {res['pair']} ({res['quantization']}), B={res['batch']}, regime "
+                   f"{res['regime']['name']}", intro, check, rounds_table(res["rows"]))
+
+
+def rounds_table(rows: list) -> str:
+    cells = [[r["k"], fmt(r["wall_ms"]), fmt(r["device_ms"]), fmt(r.get("device_cpu_ms")),
+              f"{fmt(r.get('plain_steps_per_round'))} / {fmt(r.get('plain_steps_per_round_cpu'))}",
+              fmt(r["exposed_ms"]), "-" if r["k"] == 0 else ("met" if r["exposed_ms"] <= 1.0 else "MISSED"),
+              fmt(r["build_ms"]), fmt(r["launch_ms"]), fmt(r["read_ms"]), fmt(r["tokens_per_round"]),
+              fmt(r["nodes_per_round"]), _split(r), fmt(r["nodes_per_token"], ".0f"), fmt(r.get("matmul_floor_ms"))]
+             for r in rows]
+    return table(["K", "wall ms/round (pipelined)", "device-only ms/round", "its CPU ms",
+                  "round in plain steps (wall / CPU)", "exposed host ms/round", "target <= 1 ms", "host build ms",
+                  "in _launch ms", "in _read ms", "tokens/row/round", "graph nodes/round", "matmul / view / rest",
+                  "nodes/token", "weight matmuls alone ms"], cells)
 
 
 def _split(row: dict) -> str:

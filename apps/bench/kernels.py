@@ -28,7 +28,7 @@ from mlx_mtp.models import gemma4
 
 from .env import median
 from .realsize import sources
-from .report import table
+from .report import section, table
 
 GROUP = 64
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
@@ -282,10 +282,10 @@ def kernels_md(res: dict) -> str:
                 "yes" if r["invariant"] else "**no**"] for r in res["experts"]]
     attention = [[r["label"], r["queries"], us(r["ours_s"]), us(r["mlx_s"]), f"{r['mlx_s'] / r['ours_s']:.2f}x",
                   f"{r['error']:.1e}", "yes" if r["invariant"] else "**no**"] for r in res["attention"]]
-    return "\n".join([
-        f"## Kernels: mlx_mtp's against MLX's ({res['device']}{', SMOKE' if res['smoke'] else ''}), "
-        f"{res['seconds']:.0f} s", "",
-        table(["weight", "N x K", "bits", "rows", "ours us", "ours GB/s", "MLX us", "MLX / ours", "error",
-               "row-invariant"], dense), "",
-        table(["experts: tokens (top-8)", "ours us", "MLX us", "MLX / ours", "error", "row-invariant"], experts), "",
-        table(["attention", "L", "ours us", "MLX us", "MLX / ours", "error", "row-invariant"], attention), ""])
+    return section(f"Kernels: mlx_mtp's against MLX's ({res['device']}{', SMOKE' if res['smoke'] else ''}), "
+                   f"{res['seconds']:.0f} s",
+                   table(["weight", "N x K", "bits", "rows", "ours us", "ours GB/s", "MLX us", "MLX / ours", "error",
+                          "row-invariant"], dense),
+                   table(["experts: tokens (top-8)", "ours us", "MLX us", "MLX / ours", "error", "row-invariant"],
+                         experts),
+                   table(["attention", "L", "ours us", "MLX us", "MLX / ours", "error", "row-invariant"], attention))

@@ -190,32 +190,30 @@ def run_learn(args, log=print) -> dict:
 
 
 def learn_md(res: dict) -> str:
-    if "real_step" in res:
-        from .report import table
+    from .report import section, table  # imports mlx: lazily, as everywhere here (the transcripts need none)
 
+    if "real_step" in res:
         rows = [[r["shape"], f"{r['batch']} x {r['seq']}", "trained" if r["train_embedding"] else "frozen",
                  f"{r['params'] / 1e6:.0f} M / {r['trained'] / 1e6:.0f} M", f"{r['step_s']:.1f} s",
                  f"{r['peak_gib']:.2f} GiB"] for r in res["real_step"]]
-        return "\n".join(["## Learn: one distillation step at a released assistant's size", "",
-                          table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"],
-                                rows), ""])
+        return section("Learn: one distillation step at a released assistant's size",
+                       table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"], rows))
     a = res["adapt"]
     rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}"],
             ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}"]]
-    from .report import table
-
     target = f"tuned on tool calls for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
-    lines = [f"## Learn: the demo drafter adapted to {res['requests']} served tool-call transcripts", "",
-             f"Target: the demo target {target}. Served at temperature {res['temperature']}: "
-             f"{res['served_acceptance']:.2f} drafts accepted per MTP round while serving.", "",
-             f"{res['tokens']} captured tokens; {a['train_requests']} requests trained on ({a['train_tokens']} tokens "
-             f"with the replay), {a['held_out_requests']} held out; {a['steps']} steps in {a['seconds']:.0f} s; "
-             f"written: {a['written']}.", "",
-             table(["accepted drafts per round (K=3)", "before", "after"], rows), ""]
-    for when, w in res["wall_clock"].items():
-        lines.append(f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
-                     f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}")
-    return "\n".join(lines + [""])
+    walls = [f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
+             f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}"
+             for when, w in res["wall_clock"].items()]
+    parts = [f"Target: the demo target {target}. Served at temperature {res['temperature']}: "
+             f"{res['served_acceptance']:.2f} drafts accepted per MTP round while serving.",
+             f"{res['tokens']} captured tokens; {a['train_requests']} requests trained on ({a['train_tokens']} "
+             f"tokens with the replay), {a['held_out_requests']} held out; {a['steps']} steps in "
+             f"{a['seconds']:.0f} s; written: {a['written']}.",
+             table(["accepted drafts per round (K=3)", "before", "after"], rows)]
+    if walls:
+        parts.append("\n".join(walls))
+    return section(f"Learn: the demo drafter adapted to {res['requests']} served tool-call transcripts", *parts)
 
 
 def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> dict:

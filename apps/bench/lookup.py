@@ -29,7 +29,7 @@ from mlx_mtp.loading import load
 from mlx_mtp.stats import Stats
 
 from .env import median
-from .report import fmt, table
+from .report import checked, fmt, section, table
 from .speed import DEMO, quantization_label
 
 SKIP = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls", "test", "assert"}
@@ -121,25 +121,20 @@ def run_lookup(args, log=print) -> dict:
 
 
 def lookup_md(res: dict) -> str:
-    out = [f"## Prompt lookup: rewrite-a-file prompts, demo pair ({res['quantization']}), regime "
-           f"{res['regime']['name']}", "",
-           f"Measured. {len(res['prompts'])} held-out stdlib files, {res['lines']} lines each, then a rename request "
-           f"and the file's first two lines renamed; {res['tokens']} new tokens per prompt, greedy; "
-           f"{res['repeats']} repeat(s) after a warm-up (the plain run). Tokens per target forward over all prompts "
-           "(prefill counted as one forward); speed = decode tok/s over plain decoding's, prefill excluded. "
-           "Target (issue 13): >= 2.0 tokens per target forward with the n-gram drafter alone.", ""]
+    intro = (f"Measured. {len(res['prompts'])} held-out stdlib files, {res['lines']} lines each, then a rename "
+             f"request and the file's first two lines renamed; {res['tokens']} new tokens per prompt, greedy; "
+             f"{res['repeats']} repeat(s) after a warm-up (the plain run). Tokens per target forward over all prompts "
+             "(prefill counted as one forward); speed = decode tok/s over plain decoding's, prefill excluded. "
+             "Target (issue 13): >= 2.0 tokens per target forward with the n-gram drafter alone.")
     files = ", ".join(f"`{p['file']}` ({p['tokens']} tokens, {p['rename'][0]} -> {p['rename'][1]})"
                       for p in res["prompts"])
-    out += [f"Prompts: {files}.", ""]
-    if res["mismatches"]:
-        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
-    else:
-        out += ["Every output equals plain greedy decoding (every prompt, mode, repeat).", ""]
+    check = checked(res["mismatches"], "Every output equals plain greedy decoding (every prompt, mode, repeat).")
     rows = [[r["mode"], fmt(r["tokens_per_forward"]),
              "-" if not r["mode"].startswith("ngram") else ("met" if r["tokens_per_forward"] >= 2.0 else "MISSED"),
              " ".join(f"{x:.2f}" for x in r["per_prompt_tokens_per_forward"]), fmt(r["acceptance_length"]),
              fmt(r["draft_acceptance"]), fmt(r["plain_step_share"]), fmt(r["decode_tps"], ".1f"),
              fmt(r["speedup_vs_plain"]) + "x"] for r in res["rows"]]
-    out += [table(["mode", "tokens / target forward", "target >= 2.0", "per prompt", "accept. length",
-                   "draft acceptance", "plain-step share", "decode tok/s", "speed vs plain"], rows), ""]
-    return "\n".join(out)
+    return section(f"Prompt lookup: rewrite-a-file prompts, demo pair ({res['quantization']}), regime "
+                   f"{res['regime']['name']}", intro, f"Prompts: {files}.", check,
+                   table(["mode", "tokens / target forward", "target >= 2.0", "per prompt", "accept. length",
+                          "draft acceptance", "plain-step share", "decode tok/s", "speed vs plain"], rows))

@@ -27,7 +27,7 @@ from mlx_mtp.stats import Stats
 from .env import median
 from .oracle import JoinTogether, prefilled
 from .prompts import prompt_sets
-from .report import fmt, table
+from .report import checked, fmt, section, table
 from .speed import pair_dirs, quantization_label
 
 
@@ -125,24 +125,20 @@ def _plain_share(stats) -> float:
 
 
 def mixed_md(res: dict) -> str:
-    out = [f"## Mixed batch: {res['pair']} ({res['quantization']}), {res['prose']} prose + {res['code']} code rows, "
-           f"regime {res['regime']['name']}", "",
-           f"Measured. Greedy, {res['budgets']['prose']} tokens per prose row and {res['budgets']['code']} per code "
-           "row (the batch ends with prose rows only), decode phase timed (every row's first token "
-           f"excluded), medians of {res['repeats']} interleaved repeats after a warm-up; vs plain = median of "
-           "within-repeat ratios of wall time. `auto-wide`: one acceptance estimate per drafter (the issue-13 "
-           "policy); `auto`: each row's own, the drafter's as its prior. Acceptance: accepted / drafted drafts "
-           "of the class's rows; plain share: rounds that drafted nothing (all runs).", ""]
-    if res["mismatches"]:
-        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
-    else:
-        out += ["Every row's output equals plain greedy decoding (every mode, repeat).", ""]
+    intro = (f"Measured. Greedy, {res['budgets']['prose']} tokens per prose row and {res['budgets']['code']} per code "
+             "row (the batch ends with prose rows only), decode phase timed (every row's first token "
+             f"excluded), medians of {res['repeats']} interleaved repeats after a warm-up; vs plain = median of "
+             "within-repeat ratios of wall time. `auto-wide`: one acceptance estimate per drafter (the issue-13 "
+             "policy); `auto`: each row's own, the drafter's as its prior. Acceptance: accepted / drafted drafts "
+             "of the class's rows; plain share: rounds that drafted nothing (all runs).")
+    check = checked(res["mismatches"], "Every row's output equals plain greedy decoding (every mode, repeat).")
     rows = [[r["mode"], fmt(r["decode_tps"]), fmt(r["vs_plain"]) + "x", fmt(r["prose_acceptance"]),
              fmt(r["code_acceptance"]), fmt(r["plain_share"])] for r in res["rows"]]
-    out += [table(["mode", "aggregate decode tok/s", "vs plain", "prose acceptance", "code acceptance",
-                   "plain share"], rows), ""]
+    parts = [intro, check, table(["mode", "aggregate decode tok/s", "vs plain", "prose acceptance",
+                                  "code acceptance", "plain share"], rows)]
     if res["auto_vs_best_other"] is not None:
         verdict = "met" if res["auto_vs_best_other"] >= 1.0 else "MISSED"
-        out += [f"Target (issue 20): `auto` >= the better of `auto-wide` and K=3: {res['auto_vs_best_other']:.2f}x "
-                f"({verdict}).", ""]
-    return "\n".join(out)
+        parts.append(f"Target (issue 20): `auto` >= the better of `auto-wide` and K=3: "
+                     f"{res['auto_vs_best_other']:.2f}x ({verdict}).")
+    return section(f"Mixed batch: {res['pair']} ({res['quantization']}), {res['prose']} prose + {res['code']} code "
+                   f"rows, regime {res['regime']['name']}", *parts)

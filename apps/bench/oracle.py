@@ -37,7 +37,7 @@ from mlx_mtp.speculative import K_MAX, MAX_ROLLBACK, Drafts
 
 from .env import median
 from .pairs import ROOT, build, load_pair
-from .report import fmt, table
+from .report import checked, fmt, section, table
 
 _RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.oracle uses
 
@@ -271,43 +271,37 @@ def run_oracle(args, log=print) -> dict:
 
 
 def oracle_md(res: dict) -> str:
-    emulated = res["regime"]["emulation"]
-    out = [f"## Oracle drafter (controlled acceptance), regime {res['regime']['name']}", "",
-           f"Measured. {res['tokens']} new tokens per row, greedy; rows join together and the decode phase is timed "
-           f"(prefill excluded); {res['repeats']} interleaved repeats after a warm-up, repeat r with oracle seed "
-           "seed + r for every K (averaged over seeds); MTP/plain = plain decode time / mode decode time and round "
-           "cost = time per round / time per plain step, medians of within-repeat ratios. oracle-p-K: the real "
-           "drafter's cost, each draft right with probability p; E[tokens/round] = 1 + p + ... + p^K (measured: "
-           "tokens per row per round). 'at expected acceptance' = E[tokens/round] / round cost (the measured round cost "
-           "at the oracle's expected acceptance, free of the seeds' luck). random-auto: the random (untrained) "
-           "drafter, draft length auto. Per-repeat ratios and `auto`'s final cost and acceptance estimates are in "
-           "results.json.", ""]
-    if emulated:
-        out += ["**Streaming regime = an EMULATION** of a bandwidth-bound accelerator (see the regime line); forwards "
-                "of more than 8 rows (B x (K+1) > 8) run on MKL, outside it.", ""]
-    for p in res["pairs"]:
-        out += [f"### {p['pair']}: {p['description']}", ""]
-        if p["mismatches"]:
-            out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in p["mismatches"]] + [""]
-        else:
-            out += ["Every output equals plain greedy decoding (every row, mode, repeat).", ""]
-        head = ["target", *[f"B={b}" for b in p["batches"]]]
-        lines = []
-        for q in p["ps"]:
-            cells = []
-            for b in p["batches"]:
-                s = p["summary"][f"p{q}@{b}"]
-                cells.append(f"best K={s['best_k']}: {fmt(s['best'])}x; auto {fmt(s['auto'])}x "
-                             f"({fmt(s['auto_vs_best'])} of best)")
-            lines.append([f"oracle p={q}: MTP/plain", *cells])
-        lines.append(["random drafter, auto / plain", *[fmt(p["summary"][f"random@{b}"]) + "x" for b in p["batches"]]])
-        out += [table(head, lines), ""]
-        rows = [[r["batch"], r["mode"], fmt(r["decode_tps"], ".1f"), fmt(r["speedup_vs_plain"]) + "x",
-                 fmt(r.get("at_expected")) + ("x" if r.get("at_expected") else ""),
-                 fmt(r["ms_per_round"], ".1f"), fmt(r["round_in_plain_steps"]) + "x",
-                 fmt(r["tokens_per_row_round"]), fmt(r["expected_tokens"]), fmt(r["acceptance_length"]),
-                 fmt(r["plain_step_share"])] for r in p["rows"]]
-        out += [table(["B", "mode", "decode tok/s", "MTP/plain", "at expected acceptance", "ms/round",
-                       "round / plain step", "tokens/row/round", "expected", "accept. length", "plain-step share"],
-                      rows), ""]
-    return "\n".join(out)
+    intro = (f"Measured. {res['tokens']} new tokens per row, greedy; rows join together and the decode phase is "
+             f"timed (prefill excluded); {res['repeats']} interleaved repeats after a warm-up, repeat r with oracle "
+             "seed seed + r for every K (averaged over seeds); MTP/plain = plain decode time / mode decode time and "
+             "round cost = time per round / time per plain step, medians of within-repeat ratios. oracle-p-K: the "
+             "real drafter's cost, each draft right with probability p; E[tokens/round] = 1 + p + ... + p^K "
+             "(measured: tokens per row per round). 'at expected acceptance' = E[tokens/round] / round cost (the "
+             "measured round cost at the oracle's expected acceptance, free of the seeds' luck). random-auto: the "
+             "random (untrained) drafter, draft length auto. Per-repeat ratios and `auto`'s final cost and acceptance "
+             "estimates are in results.json.")
+    return section(f"Oracle drafter (controlled acceptance), regime {res['regime']['name']}", intro,
+                   *[pair_part(p) for p in res["pairs"]])
+
+
+def pair_part(p: dict) -> tuple:
+    """One pair's subsection: the output check, the summary per oracle p and B, every (B, mode) row."""
+    check = checked(p["mismatches"], "Every output equals plain greedy decoding (every row, mode, repeat).")
+    lines = []
+    for q in p["ps"]:
+        cells = []
+        for b in p["batches"]:
+            s = p["summary"][f"p{q}@{b}"]
+            cells.append(f"best K={s['best_k']}: {fmt(s['best'])}x; auto {fmt(s['auto'])}x "
+                         f"({fmt(s['auto_vs_best'])} of best)")
+        lines.append([f"oracle p={q}: MTP/plain", *cells])
+    lines.append(["random drafter, auto / plain", *[fmt(p["summary"][f"random@{b}"]) + "x" for b in p["batches"]]])
+    rows = [[r["batch"], r["mode"], fmt(r["decode_tps"], ".1f"), fmt(r["speedup_vs_plain"]) + "x",
+             fmt(r.get("at_expected")) + ("x" if r.get("at_expected") else ""),
+             fmt(r["ms_per_round"], ".1f"), fmt(r["round_in_plain_steps"]) + "x",
+             fmt(r["tokens_per_row_round"]), fmt(r["expected_tokens"]), fmt(r["acceptance_length"]),
+             fmt(r["plain_step_share"])] for r in p["rows"]]
+    return (f"{p['pair']}: {p['description']}", check,
+            table(["target", *[f"B={b}" for b in p["batches"]]], lines),
+            table(["B", "mode", "decode tok/s", "MTP/plain", "at expected acceptance", "ms/round",
+                   "round / plain step", "tokens/row/round", "expected", "accept. length", "plain-step share"], rows))

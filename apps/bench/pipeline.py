@@ -27,6 +27,7 @@ from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.group import launched, loopback_hostfile
 from mlx_mtp.loading import load
 
+from .report import section, table
 from .speed import pair_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,22 +133,18 @@ def run_pipeline_bench(args, log) -> dict:
 
 def pipeline_md(res: dict) -> str:
     what = f"{res['pair']}, B={res['batch']}, {res['tokens']} tokens"
-    lines = [f"## pipeline: 1 process vs 2 local ranks ({what})", "",
-             "LOCAL LOOPBACK ONLY (both ranks on this machine's cores, talking over 127.0.0.1).", "",
-             *[f"- {d}" for d in res["ranks"]], "",
-             "| mode | 1 process tok/s | 2 ranks tok/s | acceptance length | device messages / round | "
-             "bytes / round | control messages / round | + link ms / token at "
-             + ", ".join(f"{ms} ms" for ms in LATENCIES_MS) + " |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        link = ", ".join(f"{v:.3f}" for v in r["link_ms_per_token"].values())
-        lines.append(f"| {r['mode']} | {r['one_process_tps']:.1f} | {r['two_ranks_tps']:.1f} | "
-                     f"{r['acceptance_length']:.2f} | {r['messages_per_round']:.2f} | "
-                     f"{r['bytes_per_round']:.0f} | {r['control_per_round']:.2f} | {link} |")
-    lines += ["", "Two-Mac projection: each round adds about 2 hops x link latency (rank 0 -> 1 activations, "
-              "1 -> 0 decision and drafts) plus bytes / bandwidth; per token divide by the tokens a round "
-              "emits (B x acceptance length)."]
-    return "\n".join(lines)
+    header = ["mode", "1 process tok/s", "2 ranks tok/s", "acceptance length", "device messages / round",
+              "bytes / round", "control messages / round",
+              "+ link ms / token at " + ", ".join(f"{ms} ms" for ms in LATENCIES_MS)]
+    rows = [[r["mode"], f"{r['one_process_tps']:.1f}", f"{r['two_ranks_tps']:.1f}", f"{r['acceptance_length']:.2f}",
+             f"{r['messages_per_round']:.2f}", f"{r['bytes_per_round']:.0f}", f"{r['control_per_round']:.2f}",
+             ", ".join(f"{v:.3f}" for v in r["link_ms_per_token"].values())] for r in res["rows"]]
+    return section(f"pipeline: 1 process vs 2 local ranks ({what})",
+                   "LOCAL LOOPBACK ONLY (both ranks on this machine's cores, talking over 127.0.0.1).",
+                   "\n".join(f"- {d}" for d in res["ranks"]), table(header, rows),
+                   "Two-Mac projection: each round adds about 2 hops x link latency (rank 0 -> 1 activations, "
+                   "1 -> 0 decision and drafts) plus bytes / bandwidth; per token divide by the tokens a round "
+                   "emits (B x acceptance length).")
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,7 @@ from mlx_mtp.loading import load
 
 from .env import median
 from .prompts import code_snippets
-from .report import fmt, table
+from .report import checked, fmt, section, table
 from .speed import pair_dirs, quantization_label
 
 
@@ -117,24 +117,23 @@ def summarize(s: dict, budgets: list) -> dict:
 
 
 def prefill_md(res: dict) -> str:
-    out = [f"## Requests arriving together: {res['pair']} ({res['quantization']}), {res['arrivals']} "
-           f"requests, regime {res['regime']['name']}", "",
-           f"Measured. {res['arrivals']} greedy requests inserted into one `BatchGenerator` at once, "
-           f"{res['max_tokens']} tokens each, MTP on (auto), prompts cut on a grid of {res['chunk']} tokens; "
-           "configurations differ in `prefill_tokens` (prompt tokens one step prefills over all queued rows, "
-           "in one forward). TTFT from the insert, percentiles over every request of "
-           f"{res['repeats']} interleaved repeats after a warm-up; last first token and total (to the last "
-           "token): medians; ratios: medians of within-repeat ratios to the first configuration.", ""]
-    if res["mismatches"]:
-        out += ["**OUTPUT MISMATCHES:**"] + [f"- **{m}**" for m in res["mismatches"]] + [""]
-    else:
-        out += ["Every output equals its prompt's plain greedy output (every configuration, repeat).", ""]
-    for s in res["scenarios"]:
-        out += [f"### Prompts of {s['range']} new tokens ({', '.join(map(str, s['lengths']))})", ""]
-        rows = [[r["label"], fmt(r["ttft_p50_ms"], ".0f"), fmt(r["ttft_p95_ms"], ".0f"),
-                 fmt(r["last_first_ms"], ".0f"), fmt(r["total_s"]), fmt(r["forwards"], ".0f"),
-                 fmt(r["rows_per_forward"]), fmt(r["p50_ratio"]) + "x", fmt(r["total_ratio"]) + "x"]
-                for r in s["rows"]]
-        out += [table(["prefill", "TTFT p50 ms", "TTFT p95 ms", "last first token ms", "total s",
-                       "prefill forwards", "rows per forward", "TTFT p50 ratio", "total ratio"], rows), ""]
-    return "\n".join(out)
+    intro = (f"Measured. {res['arrivals']} greedy requests inserted into one `BatchGenerator` at once, "
+             f"{res['max_tokens']} tokens each, MTP on (auto), prompts cut on a grid of {res['chunk']} tokens; "
+             "configurations differ in `prefill_tokens` (prompt tokens one step prefills over all queued rows, "
+             "in one forward). TTFT from the insert, percentiles over every request of "
+             f"{res['repeats']} interleaved repeats after a warm-up; last first token and total (to the last "
+             "token): medians; ratios: medians of within-repeat ratios to the first configuration.")
+    check = checked(res["mismatches"], "Every output equals its prompt's plain greedy output (every configuration, "
+                                       "repeat).")
+    return section(f"Requests arriving together: {res['pair']} ({res['quantization']}), {res['arrivals']} "
+                   f"requests, regime {res['regime']['name']}", intro, check,
+                   *[(f"Prompts of {s['range']} new tokens ({', '.join(map(str, s['lengths']))})", scenario_table(s))
+                     for s in res["scenarios"]])
+
+
+def scenario_table(s: dict) -> str:
+    rows = [[r["label"], fmt(r["ttft_p50_ms"], ".0f"), fmt(r["ttft_p95_ms"], ".0f"), fmt(r["last_first_ms"], ".0f"),
+             fmt(r["total_s"]), fmt(r["forwards"], ".0f"), fmt(r["rows_per_forward"]), fmt(r["p50_ratio"]) + "x",
+             fmt(r["total_ratio"]) + "x"] for r in s["rows"]]
+    return table(["prefill", "TTFT p50 ms", "TTFT p95 ms", "last first token ms", "total s", "prefill forwards",
+                  "rows per forward", "TTFT p50 ratio", "total ratio"], rows)

@@ -38,7 +38,7 @@ from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
 from .env import median, reset_peak_rss, rss_gib, time_fn
 from .experts import uniform_union
 from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, first_token
-from .report import fmt, table
+from .report import fmt, section, table
 
 SHAPES = (*TARGETS, "tiny")
 CACHE = Path("~/.cache/mlx_mtp/realsize").expanduser()
@@ -413,30 +413,29 @@ def realsize_md(res: dict) -> str:
     written = ", ".join(f"{k} written in {v['seconds']:.0f} s (peak RSS {v['peak_rss_gib']:.1f} GiB)"
                         for k, v in c["written"].items()) or "already written"
     backend = "CPU backend" if "cpu" in res["device"] else res["device"]
-    out = [f"## Real size: {res['shape']}, {res['bits']}-bit, random weights, {backend}, regime {res['regime']['name']}",
-           "",
-           f"Checkpoint {c['dir']}: target {c['target_gb']:.2f} GiB, assistant {c['assistant_gb']:.2f} GiB on disk "
-           f"({written}); assistant config {c['assistant_config']}. Measured once each (real size is slow here); the "
-           f"load average beside each figure is the 1-minute one when it was taken. MLX buffer cache limit "
-           f"{res['cache_limit_gb']} GiB; quantized work on {res.get('streams', 1)} CPU stream(s).", "",
-           table(["figure", "value", "load avg", "issue 22 target (26B-A4B)"], summary_rows(res)), ""]
+    parts = [f"Checkpoint {c['dir']}: target {c['target_gb']:.2f} GiB, assistant {c['assistant_gb']:.2f} GiB on disk "
+             f"({written}); assistant config {c['assistant_config']}. Measured once each (real size is slow here); "
+             f"the load average beside each figure is the 1-minute one when it was taken. MLX buffer cache limit "
+             f"{res['cache_limit_gb']} GiB; quantized work on {res.get('streams', 1)} CPU stream(s).",
+             table(["figure", "value", "load avg", "issue 22 target (26B-A4B)"], summary_rows(res))]
     unions = [(B, r) for B, r in res["plain"].items() if r["union_per_layer"]]
     if unions:
-        out += [f"Expert union per layer in plain decode ({res['experts']} experts, top-{res['top_k']}; uniform "
-                "routing would touch the 'uniform' count):", "",
-                table(["B", "mean", "uniform", "per layer"],
-                      [[B, f"{r['union_mean']:.1f}", f"{r['uniform_union']:.1f}",
-                        " ".join(f"{u:g}" for u in r["union_per_layer"])] for B, r in unions]), ""]
+        parts += [f"Expert union per layer in plain decode ({res['experts']} experts, top-{res['top_k']}; uniform "
+                  "routing would touch the 'uniform' count):",
+                  table(["B", "mean", "uniform", "per layer"],
+                        [[B, f"{r['union_mean']:.1f}", f"{r['uniform_union']:.1f}",
+                          " ".join(f"{u:g}" for u in r["union_per_layer"])] for B, r in unions])]
     if res["heads"]:
-        out += ["Assistant head per draft step: centroid (sparse) vs the full tied head:", "",
-                table(["B", "sparse ms", "full ms", "full / sparse", "load avg"],
-                      [[B, fmt(r["sparse_ms"], ".1f"), fmt(r["full_ms"], ".1f"), f"{r['ratio']:.1f}x", r["loadavg"]]
-                       for B, r in res["heads"].items()]), ""]
+        parts += ["Assistant head per draft step: centroid (sparse) vs the full tied head:",
+                  table(["B", "sparse ms", "full ms", "full / sparse", "load avg"],
+                        [[B, fmt(r["sparse_ms"], ".1f"), fmt(r["full_ms"], ".1f"), f"{r['ratio']:.1f}x", r["loadavg"]]
+                         for B, r in res["heads"].items()])]
     lc = res.get("long_context")
     if lc:
-        out += [f"Long context: {lc['context']} positions of random {lc['dtype']} K/V in a one-row cache: "
-                f"{lc['cache_gib']:.2f} GiB ({lc['full_bytes_per_token'] / 1024:.1f} KiB per token in "
-                f"{lc['full_layers']} full layers; {lc['sliding_layers']} sliding layers' rings of {lc['ring_slots']} "
-                f"slots: {lc['ring_gib']:.3f} GiB); RSS grew {lc['rss_growth_gib']:.2f} GiB; one decode step over it "
-                f"{lc['decode_step_s']:.1f} s ({_at(lc)}).", ""]
-    return "\n".join(out)
+        parts.append(f"Long context: {lc['context']} positions of random {lc['dtype']} K/V in a one-row cache: "
+                     f"{lc['cache_gib']:.2f} GiB ({lc['full_bytes_per_token'] / 1024:.1f} KiB per token in "
+                     f"{lc['full_layers']} full layers; {lc['sliding_layers']} sliding layers' rings of "
+                     f"{lc['ring_slots']} slots: {lc['ring_gib']:.3f} GiB); RSS grew {lc['rss_growth_gib']:.2f} GiB; "
+                     f"one decode step over it {lc['decode_step_s']:.1f} s ({_at(lc)}).")
+    return section(f"Real size: {res['shape']}, {res['bits']}-bit, random weights, {backend}, regime "
+                   f"{res['regime']['name']}", *parts)

@@ -1,15 +1,15 @@
 """Benchmark regimes: which BLAS serves MLX's fp32 matmuls (`cblas_sgemm`) on the CPU.
 
-  stock      as installed: on Linux the mlx-cpu wheel's reference BLAS; on macOS MLX's own
-             (Metal / Accelerate) paths
-  mkl        MKL (`pip install mkl`) loaded in-process before `mlx.core` is imported
-  streaming  MKL plus a weight-streaming small-row sgemm (streaming_sgemm.c, compiled here with the
-             system compiler): an EMULATION of the bandwidth-bound regime of Apple GPUs, where a
-             verify forward of K+1 tokens costs about one decode step
+  stock  as installed: on Linux the mlx-cpu wheel's reference BLAS; on macOS MLX's own
+         (Metal / Accelerate) paths
+  mkl    MKL (`pip install mkl`) loaded in-process before `mlx.core` is imported
 
-`setup(name)` must run before anything imports `mlx.core`; it loads the libraries with
-RTLD_GLOBAL (so libmlx.so's undefined `cblas_sgemm` binds to them), imports MLX, and checks
-which library libmlx.so's `cblas_sgemm` slot actually points at, failing loudly on a mismatch.
+(The `streaming` emulation of a bandwidth-bound GPU was removed in issue 38, now that a real GPU is
+measured; its figures in apps/README.md came from commit d223093.)
+
+`setup(name)` must run before anything imports `mlx.core`; it loads MKL with RTLD_GLOBAL (so
+libmlx.so's undefined `cblas_sgemm` binds to it), imports MLX, and checks which library
+libmlx.so's `cblas_sgemm` slot actually points at, failing loudly on a mismatch.
 The product never needs any of this; only the benchmarks do.
 """
 
@@ -17,24 +17,18 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
 import mmap
 import os
 import platform
-import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
-REGIMES = ("stock", "mkl", "streaming")
+REGIMES = ("stock", "mkl")
 # One MKL thread: MLX runs its own (single-threaded) kernels between matmuls, and a second MKL
 # thread spins while they run. Measured on the 2-core build box (apps/README.md).
 MKL_THREADS = "1"
-SOURCE = Path(__file__).with_name("streaming_sgemm.c")
-EMULATION = ("EMULATION of a bandwidth-bound accelerator such as an Apple GPU: fp32, MKL plus a weight-streaming "
-             "sgemm that reads each weight row once for all of 1-8 rows (B x T <= 8; more rows go to MKL)")
 
 _state: dict = {}
 
@@ -55,23 +49,12 @@ def setup(name: str) -> dict:
     if name != "stock" and "mlx.core" in sys.modules:
         raise RegimeError(f"regime {name} must be set up before mlx.core is imported "
                           f"(run `python -m apps.bench ... --regime {name}` in a fresh process)")
-    state = {"name": name, "mkl": None, "mkl_threads": None, "streaming_lib": None}
-    if name != "stock":
+    state = {"name": name, "mkl": None, "mkl_threads": None}
+    if name == "mkl":
         mkl_path = find_mkl()
         os.environ.setdefault("MKL_NUM_THREADS", MKL_THREADS)
-        if name == "streaming":
-            lib_path = build_streaming()
-            # First in the global scope, so libmlx.so binds cblas_sgemm here, not in MKL.
-            lib = ctypes.CDLL(str(lib_path), mode=os.RTLD_GLOBAL)
-            state["streaming_lib"], state["_lib"] = str(lib_path), lib
         mkl = ctypes.CDLL(str(mkl_path), mode=os.RTLD_GLOBAL)
         state["mkl"], state["mkl_threads"] = str(mkl_path), mkl.MKL_Get_Max_Threads()
-        if name == "streaming":
-            rc = state["_lib"].streaming_sgemm_init(ctypes.cast(mkl.cblas_sgemm, ctypes.c_void_p))
-            if rc == -1:
-                raise RegimeError("the streaming regime needs AVX-512F; this CPU has none (use --regime mkl)")
-            if rc != 0:
-                raise RegimeError(f"streaming_sgemm_init failed ({rc})")
     import mlx_mtp  # noqa: F401  (imports mlx.core: binds libmlx.so's cblas_sgemm; explains an MLX that cannot load)
 
     _state.update(state)
@@ -81,29 +64,21 @@ def setup(name: str) -> dict:
 
 def child_env() -> dict | None:
     """The environment for a subprocess (a server) to run in this process's regime: MKL
-    preloaded for `mkl`; None for stock. The streaming emulation needs an in-process init."""
-    name = _state.get("name", "stock")
-    if name == "stock":
+    preloaded for `mkl`; None for stock."""
+    if _state.get("name", "stock") == "stock":
         return None
-    if name == "streaming":
-        raise RegimeError("the streaming regime cannot be passed to a server subprocess (use stock or mkl)")
     return dict(os.environ, LD_PRELOAD=_state["mkl"], MKL_NUM_THREADS=str(_state["mkl_threads"]))
 
 
 def describe() -> dict:
     """The regime as recorded in every report's environment."""
-    s = _state or {"name": "stock (not set up)", "mkl": None, "mkl_threads": None, "streaming_lib": None,
-                   "provider": None}
-    return {"name": s["name"], "label": label(), "emulation": s["name"] == "streaming",
-            "sgemm_provider": s["provider"], "mkl": s["mkl"], "mkl_threads": s["mkl_threads"],
-            "streaming_lib": s["streaming_lib"]}
+    s = _state or {"name": "stock (not set up)", "mkl": None, "mkl_threads": None, "provider": None}
+    return {"name": s["name"], "label": label(), "sgemm_provider": s["provider"], "mkl": s["mkl"],
+            "mkl_threads": s["mkl_threads"]}
 
 
 def label() -> str:
-    name = _state.get("name", "stock")
-    if name == "streaming":
-        return f"streaming ({EMULATION}; MKL_NUM_THREADS={_state['mkl_threads']})"
-    if name == "mkl":
+    if _state.get("name") == "mkl":
         return f"mkl (fp32 matmuls on MKL, MKL_NUM_THREADS={_state['mkl_threads']})"
     provider = _state.get("provider")
     if provider:
@@ -113,37 +88,12 @@ def label() -> str:
 
 def find_mkl() -> Path:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise RegimeError(f"the mkl and streaming regimes need Linux x86-64 (this is {platform.system()} "
+        raise RegimeError(f"the mkl regime needs Linux x86-64 (this is {platform.system()} "
                           f"{platform.machine()}); use --regime stock")
     found = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so.*")))
     if not found:
-        raise RegimeError(f"no libmkl_rt.so.* in {sys.prefix}/lib: `pip install mkl` for the mkl and streaming "
-                          "regimes")
+        raise RegimeError(f"no libmkl_rt.so.* in {sys.prefix}/lib: `pip install mkl` for the mkl regime")
     return Path(found[-1])
-
-
-def build_streaming() -> Path:
-    """Compile streaming_sgemm.c once per source and compiler into the user's cache dir."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RegimeError("the streaming regime compiles apps/bench/streaming_sgemm.c: no C compiler (cc/gcc) found")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cc.encode() + platform.machine().encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx_mtp"
-    lib = cache / f"streaming_sgemm-{key}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise RegimeError(f"building the streaming sgemm failed: {' '.join(cmd)}: {e}") from e
-    if proc.returncode:
-        raise RegimeError(f"building the streaming sgemm failed: {' '.join(cmd)}\n{proc.stderr}")
-    os.replace(tmp, lib)
-    return lib
 
 
 # ---- verification ------------------------------------------------------------------------------
@@ -160,43 +110,14 @@ def verify(name: str) -> Optional[str]:
         if name != "stock":
             raise RegimeError(f"cannot verify that regime {name} took effect (libmlx.so not readable)")
         return None
-    expected = {"mkl": _state["mkl"], "streaming": _state["streaming_lib"]}.get(name)
+    expected = _state["mkl"] if name == "mkl" else None
     if expected and os.path.realpath(provider) != os.path.realpath(expected):
         raise RegimeError(f"regime {name}: libmlx.so's cblas_sgemm is served by {provider}, not {expected}: "
                           "the preload did not take effect")
-    if name == "stock" and ("mkl" in Path(provider).name or "streaming_sgemm" in provider):
+    if name == "stock" and "mkl" in Path(provider).name:
         raise RegimeError(f"regime stock, but cblas_sgemm is served by {provider} (LD_PRELOAD?): unset it, or "
                           "use --regime mkl")
-    if name == "streaming":
-        check_streaming()
     return provider
-
-
-def streaming_counts(reset: bool = False) -> tuple[int, int]:
-    """(calls served by the streaming kernel, calls forwarded to MKL)."""
-    a, b = ctypes.c_long(), ctypes.c_long()
-    _state["_lib"].streaming_sgemm_counts(ctypes.byref(a), ctypes.byref(b), int(reset))
-    return a.value, b.value
-
-
-def check_streaming() -> None:
-    """A 3-row x @ W.T must be served by the streaming kernel, a 32-row one forwarded; both
-    must match float64 numpy."""
-    import mlx.core as mx
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((37, 100)).astype(np.float32)
-    for rows, served in ((3, (1, 0)), (32, (0, 1))):
-        x = rng.standard_normal((rows, 100)).astype(np.float32)
-        streaming_counts(reset=True)
-        y = mx.array(x) @ mx.array(w).T
-        mx.eval(y)
-        counts = streaming_counts(reset=True)
-        err = np.abs(np.array(y) - x.astype(np.float64) @ w.T.astype(np.float64)).max()
-        if counts != served or err > 1e-4:
-            raise RegimeError(f"streaming sgemm check failed for {rows} rows: calls (streamed, forwarded) "
-                              f"{counts}, expected {served}; max error {err:.2e}")
 
 
 def sgemm_provider() -> Optional[str]:

@@ -25,6 +25,30 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def section(title: str, *parts) -> str:
+    """One mode's report in the shape every mode shares: `## title`, then its parts, each followed by
+    a blank line: a paragraph or a table (str), or (subheading, *parts) for a `### subheading` block.
+    `render` inserts the command, regime and load lines after the heading, so the heading comes first."""
+    out = [f"## {title}", ""]
+    for part in parts:
+        if isinstance(part, tuple):
+            out += [f"### {part[0]}", ""]
+            part = part[1:]
+        else:
+            part = (part,)
+        for text in part:
+            out += [text, ""]
+    return "\n".join(out)
+
+
+def checked(mismatches: list, clean: str) -> str:
+    """The output check of an exact mode: its mismatches in bold, or `clean`, the sentence saying what
+    was compared and that every output matched."""
+    if mismatches:
+        return "\n".join(["**OUTPUT MISMATCHES:**", *[f"- **{m}**" for m in mismatches]])
+    return clean
+
+
 def pivot(values: dict, ks, batches, title: str) -> str:
     rows = []
     for k in ks:
@@ -38,33 +62,35 @@ def regime_note(res: dict) -> str:
 
 
 def speed_md(res: dict) -> str:
-    out = [f"## Speed: {res['pair']} ({res['quantization']}), regime {res['regime']['name']}", "",
-           f"Measured. {res['tokens']} new tokens per row, greedy, stop tokens ignored, warm-up excluded, "
-           f"median of {res['repeats']} interleaved repeats; speed-up = decode tok/s over ours-plain at the same B "
-           f"and prompt class, median of within-repeat ratios. B = 1 uses `generate_tokens`, B > 1 `BatchGenerator` "
-           f"(aggregate tok/s = all rows' tokens / wall, prefill included)."
-           + (f" At B = 1 each run is {res['prompts']} prompts of the class in turn (tokens and times summed)."
-              if res.get("prompts", 1) > 1 else ""), ""]
-    for note in res["notes"]:
-        out.append(f"- {note}")
+    intro = (f"Measured. {res['tokens']} new tokens per row, greedy, stop tokens ignored, warm-up excluded, "
+             f"median of {res['repeats']} interleaved repeats; speed-up = decode tok/s over ours-plain at the same B "
+             f"and prompt class, median of within-repeat ratios. B = 1 uses `generate_tokens`, B > 1 "
+             f"`BatchGenerator` (aggregate tok/s = all rows' tokens / wall, prefill included)."
+             + (f" At B = 1 each run is {res['prompts']} prompts of the class in turn (tokens and times summed)."
+                if res.get("prompts", 1) > 1 else ""))
+    notes = [f"- {note}" for note in res["notes"]]
     if res["mismatches"]:
-        out += ["", "**OUTPUT MISMATCHES (ours vs plain greedy):**"] + [f"- **{m}**" for m in res["mismatches"]]
+        check = ["\n".join(notes), checked(res["mismatches"], "")] if notes else [checked(res["mismatches"], "")]
     else:
-        out += ["- every ours-* output equals plain greedy decoding (checked per row, every run)"]
-    out += ["", "Speed-up of ours-mtp over ours-plain (geometric mean over prompt classes):", "",
-            pivot(res["summary"], res["draft_lengths"], res["batches"], "draft length"), ""]
+        check = ["\n".join(notes + ["- every ours-* output equals plain greedy decoding (checked per row, every run)"])]
+    return section(f"Speed: {res['pair']} ({res['quantization']}), regime {res['regime']['name']}", intro, *check,
+                   "Speed-up of ours-mtp over ours-plain (geometric mean over prompt classes):",
+                   pivot(res["summary"], res["draft_lengths"], res["batches"], "draft length"),
+                   speed_table(res["rows"]))
+
+
+def speed_table(rows: list) -> str:
     header = ["class", "B", "mode", "decode tok/s", "speed-up", "aggregate tok/s", "prompt tok/s", "TTFT ms",
               "accept. length", "per-position acceptance", "tokens/forward", "peak MB", "same output as"]
-    rows = []
-    for r in res["rows"]:
+    cells = []
+    for r in rows:
         same = ("yes" if r["same_output"] else f"**no** (from token {r['first_divergence']})") + f" ({r['same_as']})"
-        rows.append([r["prompt_class"], r["batch"], r["mode"], fmt(r["decode_tps"], ".1f"),
-                     fmt(r["speedup_vs_ours_plain"]) + "x", fmt(r["aggregate_tps"], ".1f"), fmt(r["prompt_tps"], ".0f"),
-                     fmt(r["ttft_ms"], ".1f"), fmt(r["acceptance_length"]),
-                     " ".join(f"{a:.2f}" for a in r["acceptance_at"]) or "-", fmt(r["tokens_per_forward"]),
-                     fmt(r["peak_mb"], ".1f"), same])
-    out += [table(header, rows), ""]
-    return "\n".join(out)
+        cells.append([r["prompt_class"], r["batch"], r["mode"], fmt(r["decode_tps"], ".1f"),
+                      fmt(r["speedup_vs_ours_plain"]) + "x", fmt(r["aggregate_tps"], ".1f"),
+                      fmt(r["prompt_tps"], ".0f"), fmt(r["ttft_ms"], ".1f"), fmt(r["acceptance_length"]),
+                      " ".join(f"{a:.2f}" for a in r["acceptance_at"]) or "-", fmt(r["tokens_per_forward"]),
+                      fmt(r["peak_mb"], ".1f"), same])
+    return table(header, cells)
 
 
 # mode -> (module of apps.bench, markdown function); speed's lives here

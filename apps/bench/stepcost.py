@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 
 from .env import median  # noqa: E402
 from .pairs import load_pair  # noqa: E402
-from .report import fmt, pivot, table  # noqa: E402
+from .report import fmt, pivot, section, table  # noqa: E402
 
 
 def timed(fn, inner: int) -> float:
@@ -85,20 +85,13 @@ def run_stepcost(args, log=print) -> dict:
 
 
 def stepcost_md(res: dict) -> str:
-    out = [f"## Step cost: {res['pair']} pair, regime {res['regime']['name']}", "",
-           f"Measured: {res['description']}. Target forward over T new tokens per row on a cache of {res['context']} "
-           f"tokens (logits evaluated), one drafter step (logits and next hidden evaluated); median of "
-           f"{res['repeats']} interleaved repeats; ratios are medians of within-repeat ratios.", ""]
+    intro = (f"Measured: {res['description']}. Target forward over T new tokens per row on a cache of "
+             f"{res['context']} tokens (logits evaluated), one drafter step (logits and next hidden evaluated); "
+             f"median of {res['repeats']} interleaved repeats; ratios are medians of within-repeat ratios.")
     header = ["B"] + [f"T={T} ms" for T in res["sizes"]] + ["draft step ms", "T=4 / T=1"]
     rows = [[B] + [fmt(res["forward_ms"][B][T], ".1f") for T in res["sizes"]]
             + [fmt(res["draft_ms"][B], ".1f"), fmt(res["ratio_4_1"].get(B)) + "x"] for B in res["batches"]]
-    out += [table(header, rows), "",
-            "MTP round cost in plain steps, (verify(K+1) + K x draft step) / plain step, same B "
-            f"(regime {res['regime']['name']}):", "",
-            pivot(res["round_in_plain_steps"], res["ks"], res["batches"], "round / plain step"), ""]
-    if res["regime"]["emulation"]:
-        outside = [f"{K}@{B}" for B in res["batches"] for K in res["ks"] if B * (K + 1) > 8]
-        if outside:
-            out += [f"The emulation covers forwards of B x T <= 8 rows; the verify forwards of entries "
-                    f"{', '.join(outside)} (K@B) run on MKL, outside it.", ""]
-    return "\n".join(out)
+    return section(f"Step cost: {res['pair']} pair, regime {res['regime']['name']}", intro, table(header, rows),
+                   "MTP round cost in plain steps, (verify(K+1) + K x draft step) / plain step, same B "
+                   f"(regime {res['regime']['name']}):",
+                   pivot(res["round_in_plain_steps"], res["ks"], res["batches"], "round / plain step"))

@@ -33,7 +33,7 @@ from mlx_mtp.processors import Processors
 from mlx_mtp.sample import SamplingParams
 
 from .env import median
-from .report import fmt, table
+from .report import fmt, section, table
 from .speed import pair_dirs
 
 IDENT = {"type": "string", "pattern": "^[a-z_][a-z0-9_]{0,15}$"}
@@ -243,21 +243,22 @@ def _host(r: dict) -> str:
 
 def structured_md(res: dict) -> str:
     b = res["batched"]
-    out = [f"## Structured output: {res['pair']} ({res['dtype']}), JSON-schema requests", "",
-           f"Measured. Five bounded schemas, chat prompts, temperature {res['temperature']}, seed = request index, "
-           f"`max_tokens` {res['max_tokens']}. Validity: {res['requests']} requests, MTP on, {res['batch']} rows at "
-           f"a time. Speed: {res['speed_requests']} requests one at a time, {res['repeats']} interleaved repeats, "
-           f"decode tok/s medians; grammar host ms = the rows' grammar work per round (forced tokens, masks, "
-           f"advancing; median over rounds, then over repeats): CPU time of the host thread (the work) / wall time "
-           f"(on this 2-core CPU the device's MLX threads compete with the host for the cores).", "",
-           f"- **{res['valid']} / {res['requests']} replies validate** against their schema"
-           + ("" if not res["invalid"] else ": " + "; ".join(res["invalid"])),
-           f"- **MTP on / off: {res['on_off']:.2f}x** (per repeat: {', '.join(f'{r:.2f}' for r in res['on_off_each'])})",
-           f"- B = {res['batch']} (validity run): grammar host ms per round, CPU / wall: {_host(b)}; "
-           f"{b['forced_per_forward']:.2f} forced tokens and {b['tokens_per_forward']:.2f} tokens per target forward "
-           f"over {b['tokens']} tokens", ""]
+    intro = (f"Measured. Five bounded schemas, chat prompts, temperature {res['temperature']}, seed = request index, "
+             f"`max_tokens` {res['max_tokens']}. Validity: {res['requests']} requests, MTP on, {res['batch']} rows "
+             f"at a time. Speed: {res['speed_requests']} requests one at a time, {res['repeats']} interleaved "
+             "repeats, decode tok/s medians; grammar host ms = the rows' grammar work per round (forced tokens, "
+             "masks, advancing; median over rounds, then over repeats): CPU time of the host thread (the work) / "
+             "wall time (on this 2-core CPU the device's MLX threads compete with the host for the cores).")
+    on_off = ", ".join(f"{r:.2f}" for r in res["on_off_each"])
+    findings = [f"- **{res['valid']} / {res['requests']} replies validate** against their schema"
+                + ("" if not res["invalid"] else ": " + "; ".join(res["invalid"])),
+                f"- **MTP on / off: {res['on_off']:.2f}x** (per repeat: {on_off})",
+                f"- B = {res['batch']} (validity run): grammar host ms per round, CPU / wall: {_host(b)}; "
+                f"{b['forced_per_forward']:.2f} forced tokens and {b['tokens_per_forward']:.2f} tokens per target "
+                f"forward over {b['tokens']} tokens"]
     header = ["B = 1", "decode tok/s", "tokens / forward", "forced / forward", "accept. length",
               "grammar host ms / round: CPU / wall (median, p90)"]
     rows = [[r["mode"], fmt(r["decode_tps"], ".1f"), fmt(r["tokens_per_forward"]), fmt(r["forced_per_forward"]),
              fmt(r["acceptance_length"]), _host(r)] for r in res["rows"]]
-    return "\n".join(out + [table(header, rows), ""])
+    return section(f"Structured output: {res['pair']} ({res['dtype']}), JSON-schema requests", intro,
+                   "\n".join(findings), table(header, rows))

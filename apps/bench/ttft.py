@@ -34,7 +34,7 @@ from mlx_mtp.loading import load
 
 from .env import median
 from .pairs import ROOT, build, n_params
-from .report import fmt, table
+from .report import fmt, section, table
 
 DEMO_TARGET = ROOT / "mlx_mtp" / "demo" / "target"
 E2B_CONFIG = ROOT / "tests" / "fixtures" / "real_configs" / "google--gemma-4-E2B-it" / "config.json"
@@ -156,19 +156,19 @@ def run_ttft(args, log=print) -> dict:
 
 
 def ttft_md(res: dict) -> str:
-    out = [f"## Time to first token vs mlx-vlm {res['mlx_vlm']}, regime {res['regime']['name']}", "",
-           "Measured. Same checkpoint files, same prompts (held-out stdlib code, demo tokenizer), greedy, plain "
-           "decoding. Ours: `generate_tokens(..., max_tokens=1)` (BatchGenerator, 512-token prompt chunks); mlx-vlm: "
-           "`generate_step` (prefill step 2048); both from the call to the first token as an int, both skipping the "
-           f"KV-shared layers on unused prompt positions. Median of {res['repeats']} alternating repeats after a "
-           "warm-up; ours / mlx-vlm is the median of within-repeat ratios (< 1: ours is faster). Logits: last "
-           "position of one full forward on each side.", ""]
-    for m in res["models"]:
-        out += [f"### {m['model']}: {m['description']}", ""]
-        rows = [[r["length"], fmt(r["ours_ms"], ".1f"), fmt(r["vlm_ms"], ".1f"), fmt(r["ours_over_vlm"]) + "x",
-                 "met" if r["ours_over_vlm"] <= 1.0 else "MISSED",
-                 "yes" if r["same_first_token"] else "**no**",
-                 f"{r['logits_max_abs_diff']:.2g} of {r['logits_scale']:.3g}"] for r in m["rows"]]
-        out += [table(["prompt tokens", "ours ms", "mlx-vlm ms", "ours / mlx-vlm", "target <= 1.0x",
-                       "same first token", "max |logit diff|"], rows), ""]
-    return "\n".join(out)
+    intro = ("Measured. Same checkpoint files, same prompts (held-out stdlib code, demo tokenizer), greedy, plain "
+             "decoding. Ours: `generate_tokens(..., max_tokens=1)` (BatchGenerator, 512-token prompt chunks); "
+             "mlx-vlm: `generate_step` (prefill step 2048); both from the call to the first token as an int, both "
+             f"skipping the KV-shared layers on unused prompt positions. Median of {res['repeats']} alternating "
+             "repeats after a warm-up; ours / mlx-vlm is the median of within-repeat ratios (< 1: ours is faster). "
+             "Logits: last position of one full forward on each side.")
+    return section(f"Time to first token vs mlx-vlm {res['mlx_vlm']}, regime {res['regime']['name']}", intro,
+                   *[(f"{m['model']}: {m['description']}", model_table(m["rows"])) for m in res["models"]])
+
+
+def model_table(rows: list) -> str:
+    cells = [[r["length"], fmt(r["ours_ms"], ".1f"), fmt(r["vlm_ms"], ".1f"), fmt(r["ours_over_vlm"]) + "x",
+              "met" if r["ours_over_vlm"] <= 1.0 else "MISSED", "yes" if r["same_first_token"] else "**no**",
+              f"{r['logits_max_abs_diff']:.2g} of {r['logits_scale']:.3g}"] for r in rows]
+    return table(["prompt tokens", "ours ms", "mlx-vlm ms", "ours / mlx-vlm", "target <= 1.0x", "same first token",
+                  "max |logit diff|"], cells)
