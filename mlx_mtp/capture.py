@@ -102,14 +102,32 @@ def encode(r: Record) -> bytes:
     return body + CRC.pack(zlib.crc32(body))
 
 
-def read(folder) -> Iterator[Record]:
+def read(folder, warn: bool = True) -> Iterator[Record]:
     """Every whole record in `folder`, oldest segment first; a segment's torn or corrupt tail is
-    skipped with one warning."""
+    skipped with one warning (`warn`)."""
     for path in sorted(Path(folder).glob(PATTERN)):
-        yield from _records(path)
+        yield from _records(path, warn)
 
 
-def _records(path: Path) -> Iterator[Record]:
+def newest(folder, max_tokens: int) -> list[Record]:
+    """The newest records of `folder` holding at most `max_tokens` tokens in all, newest first. Memory
+    holds those and one segment: a first pass reads only when each record finished and its length."""
+    sizes = sorted(((r.time, len(r.prompt) + len(r.reply)) for r in read(folder, warn=False)), reverse=True)
+    total, cutoff = 0, float("inf")
+    for when, n in sizes:
+        if total + n > max_tokens:
+            break
+        total, cutoff = total + n, when
+    kept, total = [], 0
+    for r in sorted((r for r in read(folder) if r.time >= cutoff), key=lambda r: r.time, reverse=True):
+        total += len(r.prompt) + len(r.reply)
+        if total > max_tokens:  # (a record appended between the passes)
+            break
+        kept.append(r)
+    return kept
+
+
+def _records(path: Path, warn: bool = True) -> Iterator[Record]:
     try:
         data = path.read_bytes()
     except OSError:  # removed by another process's budget meanwhile
@@ -118,8 +136,9 @@ def _records(path: Path) -> Iterator[Record]:
     while at < len(data):
         record, size = _decode(data, at)
         if record is None:
-            log.warning("capture %s: a torn or corrupt record at byte %d; the rest of the file is skipped",
-                        path.name, at)
+            if warn:
+                log.warning("capture %s: a torn or corrupt record at byte %d; the rest of the file is skipped",
+                            path.name, at)
             return
         yield record
         at += size

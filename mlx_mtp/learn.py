@@ -157,14 +157,13 @@ def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300,
     """Adapt, resuming from `out`.partial if a run with these inputs stopped there; write `out` only
     if the adapted drafter is better. Returns the report (with `written`)."""
     out = Path(out)
-    if out.resolve() == Path(drafter_dir).resolve():
-        raise ValueError("--out is the drafter adapted from: write the adapted one elsewhere")
+    check_out(out, drafter_dir)
     a = Adaptation(target, drafter_dir, records, general, steps=steps, seq=seq, batch=batch, lr=lr, seed=seed,
                    replay=replay)
     partial = out.with_name(out.name + ".partial")
     key = _key(drafter_dir, records, steps, seq, batch, lr, seed)
-    if (partial / "state.json").exists() and json.loads((partial / "state.json").read_text()).get("key") == key:
-        info = json.loads((partial / "state.json").read_text())
+    info = json.loads((partial / "state.json").read_text()) if (partial / "state.json").exists() else {}
+    if info.get("key") == key:
         a.distiller.restore(mx.load(str(partial / "state.safetensors")), info)
         a.before = info["before"]
         progress(f"resuming at step {a.distiller.done} of {steps} ({partial})")
@@ -183,6 +182,12 @@ def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300,
                  f"fall at most {100 * GENERAL_DROP:.0f}%)")
     shutil.rmtree(partial, ignore_errors=True)
     return report
+
+
+def check_out(out, drafter_dir) -> None:
+    """The adapted drafter never overwrites the one it is adapted from."""
+    if Path(out).resolve() == Path(drafter_dir).resolve():
+        raise ValueError("--out is the drafter adapted from: write the adapted one elsewhere")
 
 
 def _key(drafter_dir, records, *args) -> str:
@@ -283,7 +288,7 @@ class Learner:
 
     def _read(self) -> tuple:
         tokenizer = self.loaded.tokenizer
-        return (newest(capture.read(self.folder), 20_000_000), general_sample(tokenizer),
+        return (capture.newest(self.folder, 20_000_000), general_sample(tokenizer),
                 distill.load_tokens(stdlib(REPLAY_FILES), tokenizer))
 
     def _done(self) -> None:
@@ -322,17 +327,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def newest(records, max_tokens: int) -> list:
-    """The newest records holding at most `max_tokens` tokens in all."""
-    kept, total = [], 0
-    for r in sorted(records, key=lambda r: r.time, reverse=True):
-        total += len(r.prompt) + len(r.reply)
-        if total > max_tokens:
-            break
-        kept.append(r)
-    return kept
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -343,12 +337,11 @@ def main(argv=None) -> int:
             raise ValueError("--drafter: the MTP drafter of --target to adapt")
         if not Path(args.captures).is_dir():
             raise FileNotFoundError(f"{args.captures}: no such directory of captured requests")
-        records = newest(capture.read(args.captures), args.max_tokens)
+        records = capture.newest(args.captures, args.max_tokens)
         if len(records) < MIN_REQUESTS:
             raise ValueError(f"{args.captures} holds {len(records)} captured requests; adapting needs at least "
                              f"{MIN_REQUESTS}")
-        if Path(args.out).resolve() == Path(args.drafter).resolve():
-            raise ValueError("--out is the drafter adapted from: write the adapted one elsewhere")
+        check_out(args.out, args.drafter)  # before loading anything
         target, _, path = load_model(args.target, dtype=mx.float32)
         tokenizer = load_tokenizer(path)
         general = general_sample(tokenizer, args.general, seq=args.seq)

@@ -128,6 +128,30 @@ def test_the_budget_drops_the_oldest_segments(tmp_path, monkeypatch):
     assert firsts == list(range(40 - len(firsts), 40))  # the newest, in order
 
 
+def test_the_newest_records_within_a_token_budget_are_read(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(capture, "SEGMENT_BYTES", 500)  # several segments
+    c = capture.Capture(tmp_path)
+    for i in range(30):
+        c.add([i] * 10, [i] * (5 + i % 4))
+    c.close()
+    (last,) = sorted(tmp_path.glob("c-*.bin"))[-1:]
+    last.write_bytes(last.read_bytes() + b"MTPc torn")  # a crash mid-write: one warning, as `read` gives
+    everything = list(capture.read(tmp_path, warn=False))
+    for budget in (0, 14, 100, 10_000):
+        with caplog.at_level(logging.WARNING, logger="mlx_mtp.capture"):
+            caplog.clear()
+            got = capture.newest(tmp_path, budget)
+        want, total = [], 0
+        for r in sorted(everything, key=lambda r: r.time, reverse=True):
+            total += len(r.tokens)
+            if total > budget:
+                break
+            want.append(int(r.prompt[0]))
+        assert [int(r.prompt[0]) for r in got] == want and sum(len(r.tokens) for r in got) <= budget
+        assert len([r for r in caplog.records if "torn or corrupt" in r.message]) == 1
+    assert len(capture.newest(tmp_path, 10_000)) == 30
+
+
 def test_several_processes_append_to_one_directory(tmp_path):
     code = ("import sys; from mlx_mtp.capture import Capture; c = Capture(sys.argv[1]); "
             "[c.add([int(sys.argv[2])] * 50, list(range(i))) for i in range(200)]; c.close()")
