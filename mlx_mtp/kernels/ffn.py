@@ -1,4 +1,4 @@
-"""A feed-forward block's input on NVIDIA GPUs in one kernel (`mlp_input.cuh`, issue 42): the
+"""A feed-forward block's input on NVIDIA GPUs in one kernel (`ffn.cuh`, issue 42): the
 pre-feed-forward RMSNorm, gate and up in one pass over their weights, gelu_tanh(gate) * up: for the
 dense MLP (`dense`) and the MoE experts (`experts`, each used expert read once for all its rows).
 Gate and up are one joined weight (`mlp.gate_up_proj`: gate rows, then up rows) or two layers. For
@@ -17,11 +17,11 @@ from .source import Kernel
 
 MAX_TILES = 4  # tiles of 8 rows a pass: a gate's and an up's sums for more would not fit the registers
 
-_DENSE = Kernel("mtp_mlp_input", ("qmm.cuh", "proj.cuh", "mlp_input.cuh"),
+_DENSE = Kernel("mtp_mlp_input", ("qmm.cuh", "proj.cuh", "ffn.cuh"),
                 ["x", "norm_w", "w", "scales", "biases", "w2", "scales2", "biases2", "eps"], ["y"],
                 "mtp_mlp_input<T, BITS, GROUP, MT, NW, DEPTH, NORM, JOINED>(x, norm_w, w, scales, biases, w2, "
                 "scales2, biases2, y, x_shape[0], JOINED ? w_shape[0] / 2 : w_shape[0], x_shape[1], eps[0]);")
-_EXPERTS = Kernel("mtp_experts_input", ("qmm.cuh", "proj.cuh", "mlp_input.cuh"),
+_EXPERTS = Kernel("mtp_experts_input", ("qmm.cuh", "proj.cuh", "ffn.cuh"),
                   ["x", "norm_w", "ids", "w", "scales", "biases", "w2", "scales2", "biases2", "eps"], ["y"],
                   "mtp_experts_input<T, BITS, GROUP, MT, NW, DEPTH, TOP_K, NORM, JOINED>(x, norm_w, ids, w, scales, "
                   "biases, w2, scales2, biases2, y, ids_shape[0], w_shape[1], x_shape[1], eps[0]);")

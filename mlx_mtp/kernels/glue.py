@@ -1,4 +1,4 @@
-"""A residual block's glue on NVIDIA GPUs in one kernel (`residual.cuh`, issue 42):
+"""A residual block's glue on NVIDIA GPUs in one kernel (`glue.cuh`, issue 42):
 
     h = (x + rms(y) * w) * scalar        y = rms(y1) * w1 + rms(y2) * w2 for an MoE layer's two outputs
     hn = rms(h) * w_next                 optional: the next product's input, where it has no norm prologue
@@ -17,10 +17,10 @@ from .attn_input import constant, rms
 from .qmm import DTYPES
 from .source import Kernel
 
-THREADS = 256  # residual.cuh MTP_RESIDUAL_THREADS
+THREADS = 256  # glue.cuh MTP_RESIDUAL_THREADS
 MAX_HIDDEN = 6016  # two rows of fp32 in a block's 48 KB of static shared memory
 
-_KERNEL = Kernel("mtp_residual", "residual.cuh",
+_KERNEL = Kernel("mtp_residual", "glue.cuh",
                  ["x", "y1", "w1", "y2", "w2", "w", "scalar", "w_next", "eps"], ["h", "hn"],
                  "mtp_residual<T, S, H, TWO, SCALAR, NEXT>(x, y1, w1, y2, w2, w, scalar, w_next, h, hn, eps[0]);")
 
