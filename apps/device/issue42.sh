@@ -35,14 +35,14 @@ stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, never past the dead
   tail -c 2500 "$OUT/$name.log"
   echo "== $name: exit $rc at $(elapsed)s" | tee -a "$OUT/run.log"
 }
-stage suite "${SUITE_LIMIT:-270}" python -m apps.bench gpu --stages 31b,26b-a4b,31b-batch --budget "${SUITE_BUDGET:-255}" \
+stage suite "${SUITE_LIMIT:-250}" python -m apps.bench gpu --stages 31b,26b-a4b,31b-batch --budget "${SUITE_BUDGET:-235}" \
   --no-peers --no-demo --prefill "" --results-dir "$OUT" --out /tmp/suite
 stage fused "${FUSED_LIMIT:-60}" python -m apps.device.fused_check --repeats 10
 stage kernels "${KERNELS_LIMIT:-50}" python -m apps.bench kernels --shapes 31b --quick --repeats 3 --out /tmp/kernels
 cp /tmp/kernels/results.json "$OUT/kernels.json" 2>/dev/null
 # The buffer settings on a pair whose steps are all launches (the tiny dense fixture at B=1 and its K=1..6 rounds)
 for setting in "" MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400 MLX_MAX_MB_PER_BUFFER=4000; do
-  stage "env-${setting:-default}" "${ENV_LIMIT:-30}" env $setting python -m apps.bench gpu --smoke --stages 31b \
+  stage "env-${setting:-default}" "${ENV_LIMIT:-35}" env $setting python -m apps.bench gpu --smoke --stages 31b \
     --no-peers --no-demo --prefill "" --out "/tmp/env-${setting:-default}"
 done
 grep -h "tok/s\|roofline\|plain" "$OUT"/env-*.log 2>/dev/null | head -40 > "$OUT/env-summary.txt"
