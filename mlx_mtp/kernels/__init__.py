@@ -3,7 +3,8 @@ CUDA backend) the products of decode and verify steps, each weight read once for
 row computed as if alone, so a verify costs about one decode step and equals the steps it stands for.
 
 One module per kernel family, the CUDA source beside it (`qmm`: quantized matmuls and MoE experts,
-`sdpa`: attention); `dispatch` decides which product takes which kernel and says why. The entry points
+`sdpa`: attention; issue 42's fused ones, each a few of a layer's ops in one kernel: `attn_input`,
+`ffn`, `glue`); `dispatch` decides which product takes which kernel and says why. The entry points
 below return None where MLX's kernel is the one to run; models call them on the GPU path only.
 """
 
@@ -13,8 +14,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import sdpa
-from . import dispatch, qmm
+from . import attn_input as _attn_input
+from . import ffn as _ffn
+from . import glue as _glue
+from . import dispatch, qmm, sdpa
 from .dispatch import mode, using
 
 
@@ -71,5 +74,52 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     return sdpa.attention(q, keys, values, mask)
 
 
-__all__ = ["attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
+def attention_input(x: mx.array, norm_w: mx.array, qkv, q_norm: mx.array, k_norm: Optional[mx.array],
+                    positions: mx.array, inverse: mx.array, n_heads: int, head_dim: int, kv: int,
+                    eps: float) -> Optional[tuple]:
+    """An attention layer's input in one kernel: (q, k, v) head-major, (B, heads, L, D), of x (B * L, H)
+    through the input norm `norm_w`, the joined q/k/v layer `qkv` (kv=2: q, k, v rows; 1: q, k, v = k
+    before its norm; 0: q only, k and v None), the head norms and RoPE at `positions` (B, L) with the
+    (D/2,) inverse periods `inverse`. None: MLX's ops are the ones to run."""
+    if dispatch.attention_input(x, norm_w, qkv, q_norm, k_norm, inverse, n_heads, head_dim, kv):
+        return None
+    return _attn_input.attention_input(x, norm_w, qkv, q_norm, k_norm, positions, inverse, n_heads, head_dim, kv,
+                                       eps)
+
+
+def mlp_input(x: mx.array, norm_w: Optional[mx.array], gate, up=None, eps: float = 1e-6) -> Optional[mx.array]:
+    """gelu_tanh(gate(xn)) * up(xn), xn = rms(x) * norm_w (None: x), in one kernel; `gate` the joined
+    gate/up layer (gate rows, then up rows) when `up` is None. None: MLX's ops."""
+    K = x.shape[-1]
+    rows = x.size // K
+    if dispatch.mlp_input(rows, x.dtype, norm_w, gate, up):
+        return None
+    y = _ffn.dense(x.reshape(rows, K), norm_w, gate, up, eps)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def experts_input(glu, x: mx.array, norm_w: Optional[mx.array], idx: mx.array, eps: float = 1e-6) -> Optional[mx.array]:
+    """A SwitchGLU's forward of rms(x) * norm_w (..., H) through experts `idx` (..., k) -> (..., k, H):
+    the norm, gate/up and GLU in one kernel, then down. None: MLX's ops."""
+    k = idx.shape[-1]
+    tokens = idx.size // k
+    if dispatch.experts_input(tokens, k, x.dtype, norm_w, glu):
+        return None
+    ids = idx.reshape(-1).astype(mx.int32)
+    h = _ffn.experts(x.reshape(tokens, x.shape[-1]), norm_w, ids, k, glu.gate_proj, glu.up_proj, eps)
+    y = qmm.experts(h, ids, glu.down_proj, 1)
+    return y.reshape(*idx.shape, y.shape[-1])
+
+
+def residual(x: mx.array, y: mx.array, w: mx.array, eps: float, scalar: Optional[mx.array] = None,
+             second: Optional[tuple] = None, w_next: Optional[mx.array] = None):
+    """(x + rms(y) * w) * scalar in one kernel (`second` = (w1, y2, w2): y is rms(y) * w1 + rms(y2) * w2),
+    and with `w_next` also rms(h) * w_next: h or (h, hn). None: MLX's ops."""
+    more = (*(second or ()), w_next)
+    if dispatch.residual(x, y, w, scalar, *more):
+        return None
+    return _glue.residual(x, y, w, eps, scalar, second, w_next)
+
+
+__all__ = ["attention_input", "experts_input", "mlp_input", "residual", "attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
            "using"]

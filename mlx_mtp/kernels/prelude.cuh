@@ -25,6 +25,8 @@ MTP_DEVICE uint32_t mtp_as_uint(float x) { return __float_as_uint(x); }
 MTP_DEVICE uint32_t mtp_prmt(uint32_t a, uint32_t b, uint32_t selector) { return __byte_perm(a, b, selector); }
 MTP_DEVICE float mtp_exp(float x) { return expf(x); }
 MTP_DEVICE float mtp_inf() { return __int_as_float(0x7f800000); }  // (NVRTC has no INFINITY)
+MTP_DEVICE float mtp_rsqrt(float x) { return rsqrtf(x); }
+MTP_DEVICE void mtp_sincos(float x, float* s, float* c) { sincosf(x, s, c); }
 
 // ---- pairs of 16-bit floats packed in a uint32 (low half first) ----------------------------------------
 // T picks the format: __nv_bfloat16 or __half. Each is one instruction on sm_80 and later.
@@ -36,6 +38,14 @@ template <> MTP_DEVICE uint32_t mtp_pack2<__nv_bfloat16>(float lo, float hi) {
 template <> MTP_DEVICE uint32_t mtp_pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T> MTP_DEVICE float mtp_unpack(uint32_t pair, int i);  // half i of a pair, as a float
+template <> MTP_DEVICE float mtp_unpack<__nv_bfloat16>(uint32_t pair, int i) {
+  return __uint_as_float(i ? pair & 0xFFFF0000u : pair << 16);
+}
+template <> MTP_DEVICE float mtp_unpack<__half>(uint32_t pair, int i) {
+  return __half2float(__ushort_as_half((unsigned short)(pair >> (16 * i))));
 }
 
 template <typename T> MTP_DEVICE uint32_t mtp_sub2(uint32_t a, uint32_t b);  // a - b, rounded once
@@ -95,6 +105,13 @@ MTP_DEVICE uint4 mtp_load16(const void* p) { return __ldg(reinterpret_cast<const
 MTP_DEVICE uint2 mtp_load8(const void* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 MTP_DEVICE uint32_t mtp_load4(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 MTP_DEVICE uint16_t mtp_load2(const void* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+
+// Global memory another block of this grid wrote (through L2, never a stale L1 line): read only after
+// mtp_fence and an atomic told this block that the writer is done.
+MTP_DEVICE float mtp_load_coherent(const float* p) { return __ldcg(p); }
+// Orders this thread's global writes before its later ones as every block sees them (__threadfence).
+MTP_DEVICE void mtp_fence() { __threadfence(); }
+MTP_DEVICE int mtp_atomic_add(int* p, int v) { return atomicAdd(p, v); }
 
 // Dynamic shared memory (the `shared_memory` bytes of the launch) as an array of `type`.
 #define MTP_DYNAMIC_SHARED(type, name) \

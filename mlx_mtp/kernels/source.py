@@ -50,14 +50,16 @@ class Kernel:
 
     made: dict = {}  # (name, factory) -> the factory's kernel object, made once per process
 
-    def __init__(self, name: str, header: Optional[str], inputs: Sequence[str], outputs: Sequence[str], body: str,
+    def __init__(self, name: str, header, inputs: Sequence[str], outputs: Sequence[str], body: str,
                  shared_memory: int = 0):
+        """`header`: a header's file name beside this one, a sequence of them (in include order), or None."""
         self.name, self.inputs, self.outputs, self.body = name, tuple(inputs), tuple(outputs), body
-        self.header = PRELUDE + (compact((HERE / header).read_text()) if header else "")
+        headers = [header] if isinstance(header, str) else list(header or [])
+        self.header = PRELUDE + "".join(compact((HERE / h).read_text()) for h in headers)
         self.shared_memory = shared_memory
 
     def __call__(self, inputs: Sequence[mx.array], template: list, grid: tuple, threadgroup: tuple,
-                 output_shapes: Sequence[tuple], output_dtypes: Sequence[mx.Dtype]) -> list:
+                 output_shapes: Sequence[tuple], output_dtypes: Sequence[mx.Dtype], init_value=None) -> list:
         key = (self.name, id(_factory))
         kernel = self.made.get(key)
         if kernel is None:
@@ -65,8 +67,9 @@ class Kernel:
                                                output_names=list(self.outputs), source=self.body,
                                                header=self.header, ensure_row_contiguous=True,
                                                shared_memory=self.shared_memory)
+        more = {} if init_value is None else {"init_value": init_value}  # every output filled with it first
         return kernel(inputs=list(inputs), template=template, grid=grid, threadgroup=threadgroup,
-                      output_shapes=list(output_shapes), output_dtypes=list(output_dtypes))
+                      output_shapes=list(output_shapes), output_dtypes=list(output_dtypes), **more)
 
     def full_source(self, input_dtypes: Sequence[mx.Dtype], output_dtypes: Sequence[mx.Dtype], template: list,
                     default_header: Optional[str] = None) -> str:

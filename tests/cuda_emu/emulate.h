@@ -178,12 +178,15 @@ MTP_DEVICE uint32_t mtp_prmt(uint32_t a, uint32_t b, uint32_t selector) {
 }
 MTP_DEVICE float mtp_exp(float x) { return expf(x); }
 MTP_DEVICE float mtp_inf() { return std::numeric_limits<float>::infinity(); }
+MTP_DEVICE float mtp_rsqrt(float x) { return 1.0f / sqrtf(x); }
+MTP_DEVICE void mtp_sincos(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 
 // ---- packed pairs (low half first); each half is computed exactly and rounded once ---------------------
 template <typename T> MTP_DEVICE uint32_t mtp_pack2(float lo, float hi) {
   static_assert(sizeof(mtp_emu::F16<T>) > 0, "mtp_pack2<T>: T is __nv_bfloat16 or __half");
   return mtp_emu::round_bits<T>(lo) | (uint32_t)mtp_emu::round_bits<T>(hi) << 16;
 }
+template <typename T> MTP_DEVICE float mtp_unpack(uint32_t pair, int i) { return mtp_emu::half_of<T>(pair, i); }
 template <typename T> MTP_DEVICE uint32_t mtp_sub2(uint32_t a, uint32_t b) {
   using mtp_emu::half_of;
   uint32_t r = 0;
@@ -323,6 +326,15 @@ MTP_DEVICE uint4 mtp_load16(const void* p) { return mtp_emu::load<uint4>(p, "mtp
 MTP_DEVICE uint2 mtp_load8(const void* p) { return mtp_emu::load<uint2>(p, "mtp_load8"); }
 MTP_DEVICE uint32_t mtp_load4(const void* p) { return mtp_emu::load<uint32_t>(p, "mtp_load4"); }
 MTP_DEVICE uint16_t mtp_load2(const void* p) { return mtp_emu::load<uint16_t>(p, "mtp_load2"); }
+
+// Blocks run one after another: another block's writes are all there, and an atomic is a plain update.
+MTP_DEVICE float mtp_load_coherent(const float* p) { return *p; }
+MTP_DEVICE void mtp_fence() {}
+MTP_DEVICE int mtp_atomic_add(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
 
 #define MTP_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(::mtp_emu::rt.dynamic_shared)
 
