@@ -221,6 +221,18 @@ def test_an_unknown_field_is_refused_as_openai_refuses_it_and_the_fields_clients
     assert client.chat.completions.create(**base, **{k: v for k, v in sent.items() if v is not None}).choices
 
 
+def test_an_unknown_field_is_refused_as_anthropic_refuses_it(scripted_server, claude):
+    """On the wire, through the client; the fields themselves: test_server_fields.py."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": PARIS}],
+                               extra_body={"temprature": 0.5})
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "temprature: Extra inputs are not permitted"}}
+    r = httpx.post(scripted_server + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": PARIS, "nmae": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages.0.nmae: Extra inputs are not permitted"
+
+
 def test_a_tool_result_must_answer_a_call_of_the_message_before(claude):
     calls = [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]
     answer = [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"}]
