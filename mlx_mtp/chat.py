@@ -54,23 +54,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "default: the demo pair's own drafter without --model, none (plain "
                                       "decoding) with --model")
     ap.add_argument("--ngram", action="store_true",
-                    help="with an MTP drafter: use a prompt-lookup proposal instead where it is long")
+                    help="with an MTP drafter: use a prompt-lookup proposal instead where it is long (default: off)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
                     help="tokens drafted per round, 0-6, or auto: chosen by measured cost and acceptance "
                          "(default: auto)")
-    ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter")
+    ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter (default: MTP on)")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     ap.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
     ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply (default: 512)")
     ap.add_argument("--seed", type=int, help="for sampling (default: a fresh one per run)")
-    ap.add_argument("--system", help="system message")
+    ap.add_argument("--system", help="system message (default: none)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                     help="let the model reason before it answers (the chat template's enable_thinking) and show "
                          "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
-    ap.add_argument("--prompt", help="answer this one message and exit")
+    ap.add_argument("--prompt", help="answer this one message and exit (default: a conversation, one message "
+                                     "per line)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
-                                                       "what the demo pair, a code model, does best")
+                                                       "what the demo pair, a code model, does best (default: off)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)

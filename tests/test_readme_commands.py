@@ -125,3 +125,45 @@ def test_a_stale_command_fails():
     with pytest.raises(AssertionError, match="invalid choice: 'streaming'"):
         parse("python -m apps.bench stepcost --regime streaming")
     assert concrete("python -m x [--pair a|b | --model DIR] [--k 1,2[,...]] ...") == "python -m x --pair a --k 1,2"
+
+
+def parser_of(line: str) -> argparse.ArgumentParser:
+    """The parser a command line's entry point builds."""
+    found = []
+    real = argparse.ArgumentParser.parse_args
+
+    def keep(self, args=None, namespace=None):
+        found.append(self)
+        return real(self, args, namespace)
+
+    argparse.ArgumentParser.parse_args = keep
+    try:
+        parse(line)
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return found[0]
+
+
+@pytest.mark.parametrize("line", ["mlx-mtp-server", "mlx-mtp-chat"])
+def test_every_option_says_what_it_does_and_its_default(line):
+    options = [a for a in parser_of(line)._actions if a.option_strings and a.help != argparse.SUPPRESS
+               and not isinstance(a, argparse._HelpAction)]
+    assert len(options) > 10
+    missing = [a.option_strings[-1] for a in options if not a.help or "default" not in a.help]
+    assert not missing, missing
+
+
+def test_the_server_names_its_draft_policy_prompt_cache_and_capture_as_it_starts():
+    from mlx_mtp.server.cli import parse_args, start_lines
+
+    plain = start_lines("m", parse_args([]), 2048, True, 2**30)
+    assert plain == ["serving 'm' at http://127.0.0.1:8000/v1 (MTP on, draft tokens auto (chosen by measured cost "
+                     "and acceptance); context 2048 tokens)", "prompt cache: 1.0 GiB in memory"]
+    args = parse_args(["--draft-tokens", "3", "--prompt-cache-dir", "/c", "--learn-dir", "/l", "--learn-gb", "2",
+                       "--learn-every", "50", "--port", "9"])
+    lines = start_lines("m", args, 2048, True, 0)
+    assert lines[0] == "serving 'm' at http://127.0.0.1:9/v1 (MTP on, draft tokens 3; context 2048 tokens)"
+    assert lines[1] == "prompt cache: off in memory, 16 GiB on disk in /c"
+    assert lines[2].startswith("keeping each finished request's token ids in /l (within 2 GiB, oldest out first")
+    assert lines[2].endswith("the drafter adapts every 50 new requests while idle")
+    assert "MTP off" in start_lines("m", parse_args([]), 2048, False, 0)[0]
