@@ -179,7 +179,7 @@ def serve(loaded, model_id: str, args) -> int:
             print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
             lines = start_lines(model_id, args, model.context, loaded.drafter is not None, engine.prompt_cache_bytes)
             print("\n".join(lines), file=sys.stderr, flush=True)
-            jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
+            jit.on_first_compile(lambda: sys.stderr.write(jit.NOTICE + "\n"))  # one write: a line of its own
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)
