@@ -10,6 +10,7 @@ import runpy
 import shlex
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,9 @@ def parse(line: str) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             try:
                 if words[0] == "python":
-                    runpy.run_module(module, run_name="__main__", alter_sys=False)
+                    with warnings.catch_warnings():  # a module an earlier command imported runs again as __main__
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        runpy.run_module(module, run_name="__main__", alter_sys=False)
                 else:
                     __import__(module, fromlist=["main"]).main()
             except Parsed:
