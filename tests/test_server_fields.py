@@ -68,8 +68,9 @@ def test_what_claude_code_and_the_client_send_is_taken():
                          {"role": "assistant", "content": [
                              {"type": "thinking", "thinking": "t", "signature": "s"},
                              {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}, **cached}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": False,
-                                                       "content": [{"type": "text", "text": "a.py"}], **cached}]}],
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "is_error": False, **cached,
+                                                       "content": [{"type": "text", "text": "a.py"}]}]}],
             "draft_tokens": 3, "mtp": True, "min_p": 0}
     assert wire_anthropic.parse_messages(body, MODEL).stream
     assert set(body) - {"draft_tokens", "mtp", "min_p"} <= ANTHROPIC_MESSAGES
@@ -83,7 +84,8 @@ def openai_chat(body):
     ([{**USER, "nmae": "x"}], None, ("nmae", "messages.[0]")),
     ([{"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}]}], None,
      ("cache", "messages.[0].content.[0]")),
-    ([USER, {"role": "assistant", "tool_calls": [{**CALL, "extra": 1}]}], None, ("extra", "messages.[1].tool_calls.[0]")),
+    ([USER, {"role": "assistant", "tool_calls": [{**CALL, "extra": 1}]}], None,
+     ("extra", "messages.[1].tool_calls.[0]")),
     ([USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{}", "x": 0}}]}],
      None, ("x", "messages.[1].tool_calls.[0].function")),
     ([USER], [{**TOOL, "function": {**TOOL["function"], "paramters": {}}}], ("paramters", "tools.[0].function")),
@@ -120,4 +122,5 @@ def test_an_openai_tool_result_must_answer_a_call(result, message):
     history = [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny", **result}]
     e = refused(lambda b, m: openai_chat(b), {"messages": history})
     assert str(e) == message and e.param == "messages.[2].tool_call_id"
-    refused(lambda b, m: openai_chat(b), {"messages": [USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]})
+    alone = [USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]  # no call before it
+    refused(lambda b, m: openai_chat(b), {"messages": alone})

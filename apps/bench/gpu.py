@@ -378,7 +378,8 @@ def _run_gpu(args, log) -> dict:
         need = stage.estimate_s * sizes.estimate_scale
         if left is not None and need > left:
             res["stages"][suite.stage_name(stage)] = dict(skipped=f"needs ~{need:.0f} s, {max(left, 0):.0f} s left")
-            log(f"stage {suite.stage_name(stage)}: skipped (needs ~{need:.0f} s of the budget, {max(left, 0):.0f} s left)")
+            log(f"stage {suite.stage_name(stage)}: skipped (needs ~{need:.0f} s of the budget, "
+                f"{max(left, 0):.0f} s left)")
             continue
         suite.run(stage)
         res["kernel_cache"] = cache.report()

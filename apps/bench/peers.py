@@ -118,7 +118,8 @@ def compare(target, drafter, target_weights: tuple, drafter_weights: tuple, prom
         f"{pair_text(out, 'mlx_vlm_mtp')}, ours MTP {pair_text(out, 'ours_mtp')}"
         + "".join(f"; {out[e]}" for e in ("mlx_lm_error", "mlx_vlm_error") if e in out))
     if "mlx_lm_skipped" in out:
-        log(f"  mlx-lm: skipped on {mx.default_device()}: its MoE experts take float32 only here ({out['mlx_lm_skipped']})")
+        log(f"  mlx-lm: skipped on {mx.default_device()}: its MoE experts take float32 only here "
+            f"({out['mlx_lm_skipped']})")
     if "mlx_vlm_skipped" in out:
         log(f"  mlx-vlm: skipped: {out['mlx_vlm_skipped']}")
     return out
