@@ -100,6 +100,8 @@ def watch_compiles(say: Callable[[int], None], every: float = 10.0, poll: float 
     building kernels (n: the kernels the folder gained this run so far); returns the function
     that stops it."""
     folder, stop = kernel_dir(), threading.Event()
+    if folder is None:  # Metal: kernels build in milliseconds
+        return stop.set
     start, compiles = count(folder), Compiles(folder)
 
     def watch():
@@ -110,8 +112,7 @@ def watch_compiles(say: Callable[[int], None], every: float = 10.0, poll: float 
                 say(max(count(folder) - start, 1))
                 busy, last = False, time.monotonic()
 
-    if folder is not None:
-        threading.Thread(target=watch, name="mlx_mtp-jit-count", daemon=True).start()
+    threading.Thread(target=watch, name="mlx_mtp-jit-count", daemon=True).start()
     return stop.set
 
 
