@@ -54,23 +54,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "default: the demo pair's own drafter without --model, none (plain "
                                       "decoding) with --model")
     ap.add_argument("--ngram", action="store_true",
-                    help="with an MTP drafter: use a prompt-lookup proposal instead where it is long")
+                    help="with an MTP drafter: use a prompt-lookup proposal instead where it is long (default: off)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
                     help="tokens drafted per round, 0-6, or auto: chosen by measured cost and acceptance "
                          "(default: auto)")
-    ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter")
+    ap.add_argument("--no-mtp", action="store_true", help="plain decoding, no drafter (default: MTP on)")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     ap.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
     ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply (default: 512)")
     ap.add_argument("--seed", type=int, help="for sampling (default: a fresh one per run)")
-    ap.add_argument("--system", help="system message")
+    ap.add_argument("--system", help="system message (default: none)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                     help="let the model reason before it answers (the chat template's enable_thinking) and show "
                          "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
-    ap.add_argument("--prompt", help="answer this one message and exit")
+    ap.add_argument("--prompt", help="answer this one message and exit (default: a conversation, one message "
+                                     "per line)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
-                                                       "what the demo pair, a code model, does best")
+                                                       "what the demo pair, a code model, does best (default: off)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
@@ -215,9 +216,41 @@ def answer(session: Session, text: str, options: dict) -> None:
     finally:
         stream.close()
         printer.finish()
-    print(flush=True)
+    CONSOLE.write(sys.stdout, "\n")
     if replied and session.last_stats is not None:
         print(stat_line(session.last_stats), file=sys.stderr, flush=True)
+
+
+class Console:
+    """stdout and stderr as the one terminal they usually share: a line from another thread (the
+    compile notice) goes out on a line of its own, at once where no line is half written, else as
+    soon as the reply's line ends; never inside it."""
+
+    def __init__(self):
+        self._lock, self._mid_line, self._pending = threading.Lock(), False, []
+
+    def write(self, stream, text: str) -> None:
+        with self._lock:
+            stream.write(text)
+            stream.flush()
+            if text:
+                self._mid_line = not text.endswith("\n")
+            self._flush()
+
+    def line(self, text: str) -> None:
+        """`text` on stderr, on a line of its own; from any thread."""
+        with self._lock:
+            self._pending.append(text)
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending and not self._mid_line:
+            sys.stderr.write("".join(line + "\n" for line in self._pending))
+            sys.stderr.flush()
+            self._pending.clear()
+
+
+CONSOLE = Console()
 
 
 class Printer:
@@ -240,9 +273,9 @@ class Printer:
                 continue
             self._end_reasoning()
             if part.kind == "tool_call":
-                print(f"\n[tool call] {part.call.name} {part.call.arguments_json}", flush=True)
+                CONSOLE.write(sys.stdout, f"\n[tool call] {part.call.name} {part.call.arguments_json}\n")
             else:
-                print(part.text, end="", flush=True)
+                CONSOLE.write(sys.stdout, part.text)
 
     def finish(self) -> None:
         self._end_reasoning()
@@ -251,13 +284,11 @@ class Printer:
         if not self.reasoning:
             text = (self.DIM if self.tty else "thinking: ") + text
             self.reasoning = True
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        CONSOLE.write(sys.stderr, text)
 
     def _end_reasoning(self) -> None:
         if self.reasoning:
-            sys.stderr.write((self.PLAIN if self.tty else "") + "\n")
-            sys.stderr.flush()
+            CONSOLE.write(sys.stderr, (self.PLAIN if self.tty else "") + "\n")
             self.reasoning = False
 
 
@@ -339,7 +370,7 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
     print(banner, file=sys.stderr)
     with Engine(loaded, max_batch=1, draft_tokens=args.draft_tokens) as engine:
         print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
-        jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
+        jit.on_first_compile(lambda: CONSOLE.line(jit.NOTICE))
         if args.raw:
             session: Session = Completion(engine)
         else:

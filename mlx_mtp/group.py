@@ -72,6 +72,7 @@ class Group:
         self.sent = Traffic()  # host messages (heartbeats aside)
         self._closing = False
         self._failing = threading.Lock()
+        _one_launch(world)
         self.secret = self._connect(connect_timeout)
         for rank, peer in self.peers.items():
             name = f"mlx_mtp-rank{rank}"
@@ -201,6 +202,30 @@ class Group:
             if busy is not None and now - busy > self.step_timeout:
                 self.fail(f"a generation step has not finished after {now - busy:.0f} s: the group is stuck "
                           "(MLX_MTP_STEP_TIMEOUT)")
+
+
+def _one_launch(world: mx.distributed.Group) -> None:
+    """On one machine (a loopback ring), every rank must have been started by the same process
+    (`mlx.launch`, or a script's Popen): MLX's ring binds its ports with SO_REUSEPORT, so two groups
+    started on the same ports are joined into each other's rings, silently, and each would then
+    run its peer's steps. Ranks on other machines are ssh's children: not checked."""
+    if not loopback(os.environ.get("MLX_HOSTFILE")):
+        return
+    mine = mx.array([os.getppid()], dtype=mx.int32)
+    parents = set(mx.distributed.all_gather(mine, group=world).tolist())
+    if len(parents) > 1:
+        raise GroupError(f"the ranks of this ring were started by different processes ({sorted(parents)}): two "
+                         "groups share its ports (MLX's ring lets them); start each on its own --starting-port")
+
+
+def loopback(hostfile: Optional[str]) -> bool:
+    """Whether a ring hostfile puts every rank on this machine's loopback address."""
+    try:
+        with open(hostfile) as f:
+            hosts = [address.rsplit(":", 1)[0] for rank in json.load(f) for address in rank]
+    except (OSError, TypeError, ValueError):
+        return False
+    return bool(hosts) and all(h in ("127.0.0.1", "localhost", "::1", "[::1]") for h in hosts)
 
 
 def loopback_hostfile(path, ranks: int = 2):

@@ -5,8 +5,10 @@ about 2 KB per graph node, for as long as the function lives: `Bounded` drops th
 number of signatures. On the CPU backend each fused kernel of a compiled graph is C++ built by the
 system compiler the first time it is used (about half a second each), on the CUDA backend by NVRTC,
 then kept on disk, under the temporary directory, for every later run: a fresh machine's first
-reply can take many seconds.
-Front ends say so instead of looking hung; the library only reports it, through a callback.
+reply can take many seconds; so can a later run's, where it meets new shapes.
+Front ends say so instead of looking hung, and only while this process is building kernels (on
+the CPU backend: while the system compiler runs as its child, not when another process fills the
+shared folder); the library only reports it, through a callback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-NOTICE = "compiling kernels, first run only"
+NOTICE = "compiling kernels (kept on disk for later runs)"
 
 
 class Bounded:
@@ -66,17 +68,17 @@ def kernel_dir() -> Optional[Path]:
     return None
 
 
-def on_first_compile(say: Callable[[], None], every: float = 0.2) -> Optional[threading.Thread]:
-    """Call `say()` once, from a daemon thread, as soon as MLX starts writing new kernels (none
-    on a machine that has run this before, or on Metal). Returns the watching thread, or None
-    where there is nothing to watch."""
+def on_first_compile(say: Callable[[], None], every: float = 0.1) -> Optional[threading.Thread]:
+    """Call `say()` once, from a daemon thread, as soon as this process starts building a kernel
+    (never where every kernel it uses was built before, or on Metal). Returns the watching
+    thread, or None where there is nothing to watch."""
     folder = kernel_dir()
     if folder is None:
         return None
-    before = _stamp(folder)
+    started = Compiles(folder)
 
     def watch():
-        while _stamp(folder) == before:
+        while not started.now():
             time.sleep(every)
         say()
 
@@ -93,22 +95,24 @@ def count(folder: Optional[Path]) -> int:
         return 0
 
 
-def watch_compiles(say: Callable[[int], None], every: float = 10.0) -> Callable[[], None]:
-    """Call `say(n)` from a daemon thread whenever MLX has built more kernels since it last spoke
-    (n: how many this run so far), at most every `every` seconds; returns the function that stops it."""
+def watch_compiles(say: Callable[[int], None], every: float = 10.0, poll: float = 0.1) -> Callable[[], None]:
+    """Call `say(n)` from a daemon thread, at most every `every` seconds, while this process is
+    building kernels (n: the kernels the folder gained this run so far); returns the function
+    that stops it."""
     folder, stop = kernel_dir(), threading.Event()
-    start = count(folder)
+    if folder is None:  # Metal: kernels build in milliseconds
+        return stop.set
+    start, compiles = count(folder), Compiles(folder)
 
     def watch():
-        said = start
-        while not stop.wait(every):
-            now = count(folder)
-            if now > said:
-                say(now - start)
-                said = now
+        busy, last = False, time.monotonic()
+        while not stop.wait(poll):
+            busy = busy or compiles.now()
+            if busy and time.monotonic() - last >= every:
+                say(max(count(folder) - start, 1))
+                busy, last = False, time.monotonic()
 
-    if folder is not None:
-        threading.Thread(target=watch, name="mlx_mtp-jit-count", daemon=True).start()
+    threading.Thread(target=watch, name="mlx_mtp-jit-count", daemon=True).start()
     return stop.set
 
 
@@ -130,6 +134,43 @@ class KernelCache:
     def report(self) -> dict:
         return dict(folder=None if self.folder is None else str(self.folder), found=self.found,
                     compiled=count(self.folder) - self.found)
+
+
+class Compiles:
+    """Whether this process is building kernels into `folder` now. On the CPU backend MLX runs the
+    system compiler as a child process whose command names the folder: looked for among this
+    process's children (Linux's /proc; elsewhere, and for NVRTC, which compiles in-process, the
+    folder gaining files stands in, though another process may be what fills it)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.stamp = _stamp(folder)
+        self.children = Path("/proc/self/task").is_dir() and mx.default_device() == mx.cpu
+
+    def now(self) -> bool:
+        if self.children:
+            return any(str(self.folder) in _command(pid) for pid in _children())
+        stamp = _stamp(self.folder)
+        changed, self.stamp = stamp != self.stamp, stamp
+        return changed
+
+
+def _children() -> list[str]:
+    """The process ids of this process's children (every thread's), on Linux."""
+    found: list[str] = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            found += (task / "children").read_text().split()
+        except OSError:
+            pass
+    return found
+
+
+def _command(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _stamp(folder: Path) -> Optional[int]:

@@ -44,6 +44,13 @@ def fix_line(driver: Path = NVIDIA_DRIVER) -> str:
             f"pip install 'mlx[{extra}]{'==' + pinned if pinned else ''}'")
 
 
+def install_line(driver: Path = NVIDIA_DRIVER) -> str:
+    """The command that installs the MLX build this machine runs (as setup.py chooses it)."""
+    if sys.platform == "darwin":
+        return "pip install mlx"
+    return f"pip install 'mlx[{'cuda13' if driver.exists() else 'cpu'}]'"
+
+
 def both_installed_line() -> Optional[str]:
     """A warning for an environment holding both builds (None when it holds one)."""
     if len(installed_builds()) < 2:
@@ -58,6 +65,9 @@ def require() -> None:
     try:
         import mlx.core  # noqa: F401
     except (ImportError, OSError) as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "mlx":
+            _print_without_traceback()
+            raise MLXUnavailable(f"MLX is not installed: {install_line()}") from None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         builds = installed_builds()
         if "cuda" not in reason.lower() and "libcu" not in reason and len(builds) < 2:

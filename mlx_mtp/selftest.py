@@ -279,7 +279,7 @@ def run(names: Optional[list[str]] = None, kernels: str = "auto") -> tuple[bool,
     forced, products_mode = KERNELS[kernels]
     start = time.perf_counter()
     dispatch.decisions.clear()
-    stop = jit.watch_compiles(lambda n: print(f"compiling kernels (first run on this machine): {n} so far",
+    stop = jit.watch_compiles(lambda n: print(f"compiling kernels (kept on disk for later runs): {n} so far",
                                               file=sys.stderr, flush=True))
     with force_fused(forced), dispatch.using(products_mode):
         outcomes = [check(p) for p in chosen]

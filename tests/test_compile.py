@@ -89,17 +89,30 @@ def run(code: str, tmp: Path) -> str:
                           timeout=120, check=True).stdout
 
 
-def test_a_first_compile_is_announced_once(tmp_path):
-    """The chat and the server say so while MLX's CPU backend builds kernels it never built on
-    this machine (kept on disk under the temporary directory): not on the next run."""
-    code = ("import time, mlx.core as mx\nfrom mlx_mtp import jit\n"
-            "jit.on_first_compile(lambda: print(jit.NOTICE, flush=True), every=0.05)\n"
-            "f = mx.compile(lambda x: mx.tanh(x * 1.2345) * 0.5 + 0.25)\n"
-            "mx.eval(f(mx.ones((8,))))\ntime.sleep(0.3)\n")
+COMPILE = ("import time, mlx.core as mx\nfrom mlx_mtp import jit\n"
+           "jit.on_first_compile(lambda: print(jit.NOTICE, flush=True), every=0.02)\n"
+           "f = mx.compile(lambda x: mx.tanh(x * {}) * 0.5 + 0.25)\n"
+           "mx.eval(f(mx.ones((8,))))\ntime.sleep(0.2)\n")
+
+
+def test_a_compile_is_announced_only_while_this_process_compiles(tmp_path):
+    """The chat and the server say so while MLX's CPU backend builds kernels this machine never
+    built (kept on disk under the temporary directory): not on the next run, and not when another
+    process is what fills the folder."""
     if mx.default_device() != mx.cpu:
         pytest.skip("GPU kernels are not built by a system compiler")
-    assert run(code, tmp_path).strip() == "compiling kernels, first run only"
-    assert run(code, tmp_path).strip() == ""
+    assert run(COMPILE.format(1.2345), tmp_path).strip() == "compiling kernels (kept on disk for later runs)"
+    watcher = COMPILE.format(1.2345) + (  # the same kernel again: built on the first run
+               "folder = jit.kernel_dir()\nbefore = jit.count(folder)\nprint('ready', flush=True)\n"
+               "deadline = time.time() + 100\n"
+               "while jit.count(folder) == before and time.time() < deadline:\n    time.sleep(0.02)\n"
+               "time.sleep(0.3)\nprint('seen' if jit.count(folder) > before else 'timeout', flush=True)\n")
+    root, env = Path(mlx_mtp.__file__).resolve().parent.parent, dict(os.environ, TMPDIR=str(tmp_path))
+    watching = subprocess.Popen([sys.executable, "-c", watcher], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    assert watching.stdout.readline() == "ready\n"
+    other = run(COMPILE.format(2.5), tmp_path)  # a kernel new to the folder, built by another process
+    assert watching.communicate(timeout=120)[0] == "seen\n"
+    assert other.strip() == "compiling kernels (kept on disk for later runs)"
 
 
 def test_traces_are_bounded():
@@ -121,3 +134,23 @@ def test_traces_are_bounded():
     assert len(calls) == 7  # the last signature was still traced
     fn(mx.ones((1,)), 2.0)
     assert len(calls) == 8  # an early one was dropped with the rest
+
+
+def test_the_chats_notice_never_lands_inside_a_reply_line(capsys):
+    """The compile notice comes from another thread: on the shared terminal it waits for the
+    reply's line to end (`1, 1, 1compiling kernels` was what it printed)."""
+    import threading
+
+    from mlx_mtp.chat import Console
+
+    console = Console()
+    console.line("before")  # no line half written: at once
+    console.write(sys.stdout, "1, 1, 1")
+    noticed = threading.Thread(target=console.line, args=("compiling kernels",))
+    noticed.start()
+    noticed.join()
+    assert capsys.readouterr() == ("1, 1, 1", "before\n")
+    console.write(sys.stdout, ", 2\ndef f(")
+    assert capsys.readouterr() == (", 2\ndef f(", "")
+    console.write(sys.stderr, "x):\n")
+    assert capsys.readouterr() == ("", "x):\ncompiling kernels\n")

@@ -142,3 +142,13 @@ def test_every_command_says_in_one_line_how_to_fix_an_mlx_that_cannot_load(cuda_
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert lines[0].startswith("mlx_mtp: MLX cannot load (libcuda.so.1: cannot open shared object file")
     assert lines[0].endswith(mlx_build.fix_line())
+
+
+@pytest.mark.parametrize("command", [["mlx_mtp.server"], ["mlx_mtp.chat"], ["mlx_mtp.selftest"]])
+def test_without_mlx_installed_every_command_says_how_to_install_it(command):
+    """`sys.modules["mlx"] = None`: `import mlx` fails as it does where no MLX is installed."""
+    run = f"import runpy, sys; sys.modules['mlx'] = None; runpy.run_module({command[0]!r}, run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", run, *command[1:]], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == f"mlx_mtp: MLX is not installed: {mlx_build.install_line()}", out.stderr

@@ -219,6 +219,24 @@ def test_an_unknown_field_is_refused_as_openai_refuses_it_and_the_fields_clients
                 extra_body={"draft_tokens": 3, "mtp": True, "top_k": 0, "min_p": 0, "repetition_penalty": 1.0,
                             "chat_template_kwargs": {}})
     assert client.chat.completions.create(**base, **{k: v for k, v in sent.items() if v is not None}).choices
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as e:  # a tool result must answer a call, as on Anthropic's side
+        client.chat.completions.create(model=MODEL, max_tokens=2, tools=TOOLS, messages=[
+            {"role": "user", "content": PARIS}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}])
+    assert e.value.body["param"] == "messages.[2].tool_call_id"
+
+
+def test_an_unknown_field_is_refused_as_anthropic_refuses_it(scripted_server, claude):
+    """On the wire, through the client; the fields themselves: test_server_fields.py."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": PARIS}],
+                               extra_body={"temprature": 0.5})
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "temprature: Extra inputs are not permitted"}}
+    r = httpx.post(scripted_server + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": PARIS, "nmae": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages.0.nmae: Extra inputs are not permitted"
 
 
 def test_a_tool_result_must_answer_a_call_of_the_message_before(claude):

@@ -17,6 +17,10 @@ from pathlib import Path
 
 from . import regime
 
+
+class NeedsGPU(RuntimeError):
+    """A mode this machine cannot run, said in one line (exit status 2)."""
+
 # subcommand -> (module of apps.bench, function(args, log) -> result dict)
 MODES = {
     "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),
@@ -319,7 +323,12 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     module, function = MODES[args.command]
     args.command_line = shlex.join(["python", "-m", "apps.bench", *argv])
-    res = getattr(importlib.import_module(f"apps.bench.{module}"), function)(args, log)
+    run = getattr(importlib.import_module(f"apps.bench.{module}"), function)
+    try:
+        res = run(args, log)
+    except NeedsGPU as e:  # what this machine cannot measure: one line, no traceback
+        print(e, file=sys.stderr)
+        return 2
     res["loadavg"] = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]}
     res["regime"] = info["regime"]
     res["command"] = args.command_line

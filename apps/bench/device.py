@@ -8,6 +8,7 @@ Found by importing what the suite imports and naming the distributions of the mo
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata as metadata
 import sys
@@ -28,10 +29,9 @@ def wheels() -> list[str]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv != ["wheels"]:
-        print("usage: python -m apps.bench.device wheels", file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(prog="python -m apps.bench.device", description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["wheels"], help="wheels: print `name==version` of each, space-separated")
+    ap.parse_args(argv)
     print(" ".join(wheels()))
     return 0
 

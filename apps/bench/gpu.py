@@ -10,8 +10,11 @@ at B = 8, each round's cost in plain steps, whether greedy MTP equals plain; the
 weights mlx-lm's plain decoding and mlx-vlm's Gemma 4 MTP (the real assistant, K = 3) beside ours.
 Then the bundled demo pair, plain and `auto`, at B = 1 and 4 on its stdlib prompts.
 
-`--smoke` runs the same code at the tiny fixture shapes, on any device, in seconds. On a GPU the
-JSON also goes to apps/results/gpu/<card>-<date>.json. Random weights: speed is real, text is not.
+`--smoke` runs the same code at the tiny fixture shapes, on any device, in seconds: the shapes and
+stages are named for what they are (tiny-dense stands in for 31B, tiny-moe for 26B-A4B, tiny-e2b for
+E4B), and on the CPU what only a GPU measures (the roofline fraction, the count of GPU kernels
+compiled) is skipped in one line each. On a GPU the JSON also goes to
+apps/results/gpu/<card>-<date>.json. Random weights: speed is real, text is not.
 """
 
 from __future__ import annotations
@@ -188,11 +191,16 @@ class Suite:
     """One run: the shapes built on first use and kept, their prompts and plain runs (which the MTP
     runs are checked against), the results so far (saved after every stage on a GPU)."""
 
-    def __init__(self, args, sizes: Sizes, res: dict, log):
+    def __init__(self, args, sizes: Sizes, res: dict, log, roofline: bool = True):
         self.args, self.sizes, self.res, self.log = args, sizes, res, log
+        self.roofline = roofline  # a step's fraction of the memory roofline: a GPU's figure
         self.built: dict = {}
         self.plain: dict = {}  # (shape, B) -> plain run
         self.copy_rate = res["bandwidth"]["bytes_per_s"]
+
+    def stage_name(self, stage: Stage) -> str:
+        """The stage's name, the shape in it the one this run builds (--smoke: tiny-dense-batch)."""
+        return stage.name.replace(stage.shape, self.name(stage.shape)) if stage.shape else stage.name
 
     def name(self, shape: str) -> str:
         """The shape a stage's released shape stands for in this run (--smoke: the tiny fixtures)."""
@@ -237,9 +245,10 @@ class Suite:
             read = step_bytes(m["target"], B, self.sizes.context + self.tokens(B) // 2, union)
             d = m["out"]["decode"][B] = dict(
                 tok_s=run["tok_s"], step_s=run["step_s"], bytes_per_step=read,
-                roofline=read / self.copy_rate / run["step_s"], union_per_layer=union,
+                roofline=read / self.copy_rate / run["step_s"] if self.roofline else None, union_per_layer=union,
                 union_mean=float(np.mean(union)) if union else None)
-            self.log(f"  plain B={B}: {d['tok_s']:.1f} tok/s, {100 * d['roofline']:.0f}% of the roofline"
+            of_roofline = f", {100 * d['roofline']:.0f}% of the roofline" if d["roofline"] is not None else ""
+            self.log(f"  plain B={B}: {d['tok_s']:.1f} tok/s{of_roofline}"
                      + (f", expert union {d['union_mean']:.1f}" if union else ""))
         return self.plain[key]
 
@@ -281,8 +290,9 @@ class Suite:
         ran = kernels.dispatch.summary()
         for shape in shapes if ran else ():
             self.res["shapes"][shape]["kernels_ran"] = ran
-        self.res["stages"][stage.name] = dict(seconds=time.perf_counter() - started, kernels=ran or None)
-        self.log(f"stage {stage.name}: {self.res['stages'][stage.name]['seconds']:.0f} s"
+        name = self.stage_name(stage)
+        self.res["stages"][name] = dict(seconds=time.perf_counter() - started, kernels=ran or None)
+        self.log(f"stage {name}: {self.res['stages'][name]['seconds']:.0f} s"
                  + (f"; kernels: {ran}" if ran else ""))
 
 
@@ -351,19 +361,25 @@ def _run_gpu(args, log) -> dict:
     device = Device.current()
     started = time.perf_counter()
     cache = jit.KernelCache.open(getattr(args, "kernel_cache", None))
-    watch = jit.watch_compiles(lambda n: log(f"compiling GPU kernels (first run on this machine): {n} so far"))
+    if device.gpu:
+        watch = jit.watch_compiles(lambda n: log(f"compiling GPU kernels (kept on disk for later runs): {n} so far"))
+    else:
+        watch = lambda: None  # noqa: E731
+        log(f"on the {device.backend.upper()}: skipped, the roofline fraction (no GPU memory to compare a step "
+            "with) and the count of GPU kernels compiled")
     res = dict(mode="gpu", smoke=args.smoke, card=card(), backend=BACKENDS[device.backend],
                mlx=mx.__version__, p=args.p, bits=BITS, sizes=sizes.__dict__, shapes={}, stages={},
                kernels=kernels.mode(), bandwidth=bandwidth(sizes.copy_bytes), budget_s=args.budget)
     log(f"{res['card']}, MLX {res['backend']} backend: "
         f"copy bandwidth {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s")
-    suite = Suite(args, sizes, res, log)
+    suite = Suite(args, sizes, res, log, roofline=device.gpu)
     for stage in chosen_stages(args):
         left = args.budget - (time.perf_counter() - started) if args.budget else None
         need = stage.estimate_s * sizes.estimate_scale
         if left is not None and need > left:
-            res["stages"][stage.name] = dict(skipped=f"needs ~{need:.0f} s, {max(left, 0):.0f} s left")
-            log(f"stage {stage.name}: skipped (needs ~{need:.0f} s of the budget, {max(left, 0):.0f} s left)")
+            res["stages"][suite.stage_name(stage)] = dict(skipped=f"needs ~{need:.0f} s, {max(left, 0):.0f} s left")
+            log(f"stage {suite.stage_name(stage)}: skipped (needs ~{need:.0f} s of the budget, "
+                f"{max(left, 0):.0f} s left)")
             continue
         suite.run(stage)
         res["kernel_cache"] = cache.report()
@@ -417,7 +433,10 @@ def figures(r: dict) -> dict:
     for n, p in r["prefill"].items():
         out[f"prefill {n} tokens (tok/s)"] = f"{p['tok_s']:.0f}"
     for B, d in r["decode"].items():
-        out[f"decode B={B} (tok/s, roofline)"] = f"{d['tok_s']:.1f} ({100 * d['roofline']:.0f}%)"
+        if d["roofline"] is None:  # not measured on the CPU
+            out[f"decode B={B} (tok/s)"] = f"{d['tok_s']:.1f}"
+        else:
+            out[f"decode B={B} (tok/s, roofline)"] = f"{d['tok_s']:.1f} ({100 * d['roofline']:.0f}%)"
     for B, d in r["decode"].items():
         if d["union_mean"] is not None:
             out[f"expert union per layer, B={B}"] = f"{d['union_mean']:.1f}"
@@ -458,7 +477,8 @@ def gpu_md(res: dict) -> str:
         parts += [f"Kernels (`--kernels {res.get('kernels', 'auto')}`), per family, with the products that took "
                   "them:", "\n".join(ran)]
     errors = [f"- {shape}: {r['peers'][key]}" for shape, r in res["shapes"].items()
-              for key in ("mlx_lm_error", "mlx_vlm_error") if r.get("peers", {}).get(key)]
+              for key in ("mlx_lm_error", "mlx_vlm_error", "mlx_lm_skipped", "mlx_vlm_skipped")
+              if r.get("peers", {}).get(key)]
     if errors:
         parts += ["Peers that could not run:", "\n".join(errors)]
     if res.get("demo"):

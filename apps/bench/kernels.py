@@ -9,23 +9,29 @@ that row alone (row-invariance). Then the 26B-A4B's experts (tokens x top-8 of 1
 head_dim 256 and 512 (1-8 query positions against a sliding ring and a long full-attention buffer).
 
 Correctness comes first, timings after, and every figure is printed as it is measured. `--smoke`
-runs tiny shapes (any device where the kernels run: the tests drive it through the CPU emulator).
+runs tiny shapes: on a GPU, or without one through the CPU emulator of a source checkout
+(tests/cuda_emu, with g++): correctness and row-invariance only, each kernel timed once, the times
+the emulator's. Without a GPU the full run says in one line that it needs one (exit status 2).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_mtp.kernels import sdpa
-from mlx_mtp.kernels import qmm
+from mlx_mtp.kernels import qmm, sdpa
+from mlx_mtp.kernels.source import use_factory
 from mlx_mtp.models import gemma4
 
+from .cli import NeedsGPU
 from .env import median
 from .realsize import sources
 from .report import section, table
@@ -35,6 +41,7 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 QUICK_ROWS = (1, 2, 4, 7, 8, 16, 28, 32, 56)
 MLX_ROWS = (1, 4, 8, 16, 32)  # MLX's kernel at 8+ rows compiles for tens of seconds per tile shape: a few
 STREAM_BYTES = 256 << 20  # weight copies per timed pass: several times an H200's 60 MB L2
+MAX_COPIES = 16  # 1 in the emulator, where a launch is a process and only correctness counts
 TINY_SHAPES = [("tiny q", 64, 128, 4), ("tiny down", 32, 192, 8)]
 
 
@@ -73,7 +80,7 @@ def random_weight(n: int, k: int, bits: int, key) -> tuple:
 def weight_copies(first: tuple, n: int, k: int, bits: int) -> list:
     """`first` and more random weights of its shape: up to 16, or as many as fill STREAM_BYTES."""
     nbytes = sum(a.nbytes for a in first)
-    count = min(16, max(1, STREAM_BYTES // nbytes))
+    count = min(MAX_COPIES, max(1, STREAM_BYTES // nbytes))
     return [first] + [random_weight(n, k, bits, mx.random.key(c)) for c in range(1, count)]
 
 
@@ -200,11 +207,22 @@ def bench_experts(experts: int, hidden: int, inter: int, top_k: int, tokens: tup
         invariant = rows_invariant(ours, xt, it)
         error = relative_error(ours(xt, it), reference_glu(glu, xt, it))
         r = dict(tokens=t, top_k=top_k, invariant=invariant, error=error,
-                 ours_s=timed([lambda: ours(xt, it)], repeats), mlx_s=timed([lambda: glu(xt, it)], repeats))
+                 ours_s=timed([lambda: ours(xt, it)], repeats), mlx_s=_mlx_time(lambda: glu(xt, it), repeats, log))
         out.append(r)
+        mlx = "-" if r["mlx_s"] is None else f"{1e6 * r['mlx_s']:.0f} us"
         log(f"  experts {experts}x({inter}x{hidden}) tokens {t} x top-{top_k}: ours {1e6 * r['ours_s']:.0f} us, "
-            f"MLX {1e6 * r['mlx_s']:.0f} us, error {r['error']:.1e}, row-invariant {invariant}")
+            f"MLX {mlx}, error {r['error']:.1e}, row-invariant {invariant}")
     return out
+
+
+def _mlx_time(fn, repeats: int, log) -> Optional[float]:
+    """MLX's time for the same work, None (said in one line) where MLX cannot run it here: mlx-lm's
+    experts on the CPU take float32 only ("[GatherMM::eval] Currently only supports float32")."""
+    try:
+        return timed([fn], repeats)
+    except (RuntimeError, ValueError) as e:
+        log(f"  MLX's own: skipped on {mx.default_device()}: {str(e).splitlines()[0]}")
+        return None
 
 
 # ---- attention --------------------------------------------------------------------------------------
@@ -238,7 +256,42 @@ def bench_attention(label: str, heads: int, kv_heads: int, head_dim: int, slots:
 # ---- the run -------------------------------------------------------------------------------------
 
 
+def emulator():
+    """The CPU emulator of mlx_mtp's CUDA kernels in a source checkout (tests/cuda_emu), or None where
+    there is none or no C++ compiler for it."""
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    if not (tests / "cuda_emu" / "__init__.py").is_file():
+        return None
+    sys.path.insert(0, str(tests))
+    try:
+        import cuda_emu
+    finally:
+        sys.path.remove(str(tests))
+    return cuda_emu if cuda_emu.available() else None
+
+
 def run_kernels(args, log=print) -> dict:
+    """On a GPU; with --smoke and no GPU, through the CPU emulator (NeedsGPU where neither runs)."""
+    global MAX_COPIES
+    if mx.cuda.is_available():
+        return _run(args, log)
+    if not args.smoke:
+        raise NeedsGPU("kernels: needs an NVIDIA GPU (MLX's CUDA backend); `--smoke` runs tiny shapes through the "
+                       "CPU emulator of a source checkout")
+    emu = emulator()
+    if emu is None:
+        raise NeedsGPU("kernels --smoke: needs an NVIDIA GPU, or a source checkout's CPU emulator (tests/cuda_emu) "
+                       "and g++")
+    log("no GPU: tiny shapes through the CPU emulator (tests/cuda_emu): correctness and row-invariance; the times "
+        "are the emulator's, not a GPU's")
+    MAX_COPIES, args.repeats = 1, 1
+    with use_factory(emu.cuda_kernel_fast):
+        res = _run(args, log)
+    res["device"] += ", CUDA kernels EMULATED"
+    return res
+
+
+def _run(args, log) -> dict:
     os.environ.setdefault("MLX_ENABLE_TF32", "0")  # fp32 references, not TF32 (read at MLX's first GPU matmul)
     started = time.perf_counter()
     rows = QUICK_ROWS if args.quick else ROWS
@@ -275,12 +328,14 @@ def run_kernels(args, log=print) -> dict:
 
 def kernels_md(res: dict) -> str:
     us = lambda s: f"{1e6 * s:.1f}" if s is not None else "-"  # noqa: E731
+    emulated = "EMULATED" in res["device"]  # the emulator's times say nothing of a GPU's ratio
+    ratio = lambda r: f"{r['mlx_s'] / r['ours_s']:.2f}x" if r.get("mlx_s") and not emulated else "-"  # noqa: E731
     dense = [[r["label"], f"{r['n']}x{r['k']}", r["bits"], r["rows"], us(r["ours_s"]), f"{r['ours_gb_s']:.0f}",
-              us(r.get("mlx_s")), f"{r['mlx_s'] / r['ours_s']:.2f}x" if "mlx_s" in r else "-", f"{r['error']:.1e}",
+              us(r.get("mlx_s")), ratio(r), f"{r['error']:.1e}",
               "yes" if r["invariant"] else "**no**"] for r in res["dense"]]
-    experts = [[r["tokens"], us(r["ours_s"]), us(r["mlx_s"]), f"{r['mlx_s'] / r['ours_s']:.2f}x", f"{r['error']:.1e}",
+    experts = [[r["tokens"], us(r["ours_s"]), us(r["mlx_s"]), ratio(r), f"{r['error']:.1e}",
                 "yes" if r["invariant"] else "**no**"] for r in res["experts"]]
-    attention = [[r["label"], r["queries"], us(r["ours_s"]), us(r["mlx_s"]), f"{r['mlx_s'] / r['ours_s']:.2f}x",
+    attention = [[r["label"], r["queries"], us(r["ours_s"]), us(r["mlx_s"]), ratio(r),
                   f"{r['error']:.1e}", "yes" if r["invariant"] else "**no**"] for r in res["attention"]]
     return section(f"Kernels: mlx_mtp's against MLX's ({res['device']}{', SMOKE' if res['smoke'] else ''}), "
                    f"{res['seconds']:.0f} s",

@@ -27,6 +27,9 @@ from ..requests import ContextLengthError, Request
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
                      unsupported)
+from .fields import (ANTHROPIC_BLOCK, ANTHROPIC_COUNT, ANTHROPIC_EXTENSIONS, ANTHROPIC_MESSAGE, ANTHROPIC_MESSAGES,
+                     ANTHROPIC_METADATA, ANTHROPIC_OUTPUT_CONFIG, ANTHROPIC_THINKING, ANTHROPIC_TOOL,
+                     ANTHROPIC_TOOL_CHOICE, first_extra)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -47,6 +50,7 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
     """POST /v1/messages (`count`: /v1/messages/count_tokens, which needs no `max_tokens`)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
+    _known(body, ANTHROPIC_COUNT if count else ANTHROPIC_MESSAGES)
     check_model(body.get("model"), model)
     max_tokens = integer(body, "max_tokens", low=1)
     if max_tokens is None and not count:
@@ -65,6 +69,41 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
         parallel_tool_calls=parallel,
     )
     return Job(request, flag(body, "stream", False), model.id, f"msg_{uuid.uuid4().hex[:24]}")
+
+
+def _known(body: dict, fields: frozenset) -> None:
+    """Every field a known one (`fields` and this server's extensions), at the top of the request
+    and inside its messages, blocks and tools: Anthropic's words for the first that is not."""
+    checks = [("", body, fields | ANTHROPIC_EXTENSIONS), ("metadata", body.get("metadata"), ANTHROPIC_METADATA),
+              ("tool_choice", body.get("tool_choice"), ANTHROPIC_TOOL_CHOICE),
+              ("thinking", body.get("thinking"), ANTHROPIC_THINKING),
+              ("output_config", body.get("output_config"), ANTHROPIC_OUTPUT_CONFIG)]
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    checks += [(f"tools.{i}.custom", tool, ANTHROPIC_TOOL) for i, tool in enumerate(tools)
+               if isinstance(tool, dict) and tool.get("type") in (None, "custom")]  # server tools: dropped
+    system = body.get("system") if isinstance(body.get("system"), list) else []
+    checks += _block_checks("system", system)
+    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    for i, message in enumerate(messages):
+        checks.append((f"messages.{i}", message, ANTHROPIC_MESSAGE))
+        content = message.get("content") if isinstance(message, dict) else None
+        checks += _block_checks(f"messages.{i}.content", content if isinstance(content, list) else [])
+    where = first_extra(checks)
+    if where is not None:
+        raise invalid(where, f"{where}: Extra inputs are not permitted", code=None)
+
+
+def _block_checks(where: str, blocks: list) -> list:
+    """(path, block, allowed) of the content blocks whose fields we know, a path as Anthropic's
+    (pydantic's) errors name it: `messages.0.content.1.tool_use`; tool results' own blocks too."""
+    out = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in ANTHROPIC_BLOCK:
+            out.append((f"{where}.{j}.{kind}", block, ANTHROPIC_BLOCK[kind]))
+            if kind == "tool_result" and isinstance(block.get("content"), list):
+                out += _block_checks(f"{where}.{j}.{kind}.content", block["content"])
+    return out
 
 
 def _check_ignored(body: dict) -> None:

@@ -10,7 +10,8 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEMO_ID = "mlx-mtp-demo"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line; every option says what it does and its default."""
     from ..cli import draft_tokens, positive_int
     from .app import KEEPALIVE_EVERY, MAX_BODY_BYTES
 
@@ -24,44 +25,56 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"the id clients send as `model` (default: --model, or {DEMO_ID!r})")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default: 127.0.0.1, this machine only)")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
-    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once (default: 8)")
+    ap.add_argument("--max-queue", type=int, default=64,
+                    help="requests waiting; more are answered 429 (default: 64)")
     ap.add_argument("--prefill-tokens", type=positive_int, metavar="N",
                     help="prompt tokens of all queued requests prefilled together in one forward per round "
                          "(default: one 512-token chunk; 1: one prompt at a time)")
     ap.add_argument("--api-key", help="require the key on /v1/ endpoints (`Authorization: Bearer KEY` or "
-                    "`x-api-key: KEY`)")
+                    "`x-api-key: KEY`; default: none, no key asked)")
     ap.add_argument("--draft-tokens", type=draft_tokens, default="auto", metavar="N|auto",
-                    help="draft length for requests that do not send `draft_tokens`")
+                    help="draft length for requests that do not send `draft_tokens`: 0-6, or auto, chosen by "
+                         "measured cost and acceptance (default: auto)")
     ap.add_argument("--enable-thinking", action="store_true",
                     help="let the model reason before answering, for requests that do not say "
-                         "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`)")
+                         "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`; default: off)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
-                    help="larger request bodies get 413")
+                    help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
     ap.add_argument("--keepalive-seconds", type=float, default=KEEPALIVE_EVERY, metavar="S",
                     help="a stream with nothing to send (a long prefill) sends a keep-alive every S seconds: "
-                         "Anthropic's ping event, an SSE comment on OpenAI's")
+                         f"Anthropic's ping event, an SSE comment on OpenAI's (default: {KEEPALIVE_EVERY:g})")
     cache = ap.add_mutually_exclusive_group()
     cache.add_argument("--prompt-cache-bytes", type=int, metavar="N",
                        help="prefix cache budget in bytes: a request prefills only what no earlier one "
                             "computed (default: a quarter of the memory the weights leave; 0: off)")
-    cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB")
+    cache.add_argument("--prompt-cache-gb", type=float, metavar="GB", help="the same, in GiB (default: as above)")
     ap.add_argument("--prompt-cache-dir", metavar="DIR", help="keep the prefix cache's states in DIR too: they "
-                    "outlive the server and its memory budget, and the next server on DIR starts from them")
+                    "outlive the server and its memory budget, and the next server on DIR starts from them "
+                    "(default: none, memory only)")
     ap.add_argument("--prompt-cache-disk-gb", type=float, metavar="GB",
-                    help="how much DIR may hold (default 16), least recently used states out first")
+                    help="how much DIR may hold, least recently used states out first (default: 16)")
     learn = ap.add_argument_group("learning from use (python -m mlx_mtp.learn; README: 'A drafter that learns')")
     learn.add_argument("--learn-dir", metavar="DIR", help="keep each finished request's token ids and the drafter's "
                                                            "counts in DIR (nothing is kept without it; a request "
-                                                           "opts out with the header `X-MLX-MTP-Learn: off`)")
-    learn.add_argument("--learn-gb", type=float, metavar="GB", help="--learn-dir's budget (oldest requests out first)")
+                                                           "opts out with the header `X-MLX-MTP-Learn: off`; "
+                                                           "default: none)")
+    learn.add_argument("--learn-gb", type=float, metavar="GB", help="--learn-dir's budget, oldest requests out first "
+                       "(default: none, unbounded)")
     learn.add_argument("--learn-every", type=positive_int, metavar="N",
                        help="adapt the drafter after N new requests, while the server is idle, and serve the "
-                            "adapted one if it is better (the drafter must be unquantized)")
+                            "adapted one if it is better (the drafter must be unquantized; default: never, "
+                            "adapt with python -m mlx_mtp.learn)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
-    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (default: info)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.prompt_cache_gb is not None:
         args.prompt_cache_bytes = int(args.prompt_cache_gb * 2**30)
@@ -109,6 +122,34 @@ def main(argv=None) -> int:
     return serve(loaded, model_id, args)
 
 
+def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes: int) -> list[str]:
+    """What the server says as it starts: where it serves, the draft policy, the prompt cache's
+    tiers, and whether requests are being kept (--learn-dir)."""
+    from ..memory import size
+    from ..prefix_disk import DEFAULT_BUDGET
+
+    if not mtp:
+        policy = "MTP off (no drafter: plain decoding)"
+    elif args.drafter == "ngram":
+        policy = f"prompt lookup (ngram), draft tokens {args.draft_tokens}"
+    else:
+        policy = f"MTP on, draft tokens {args.draft_tokens}" + (
+            " (chosen by measured cost and acceptance)" if args.draft_tokens == "auto" else "")
+    lines = [f"serving {model_id!r} at http://{args.host}:{args.port}/v1 ({policy}; context {context} tokens)"]
+    tiers = [f"{size(prompt_cache_bytes)} in memory"] if prompt_cache_bytes else ["off in memory"]
+    if args.prompt_cache_dir is not None:
+        disk = DEFAULT_BUDGET / 2**30 if args.prompt_cache_disk_gb is None else args.prompt_cache_disk_gb
+        tiers.append(f"{disk:g} GiB on disk in {args.prompt_cache_dir}")
+    lines.append("prompt cache: " + ", ".join(tiers))
+    if args.learn_dir is not None:
+        budget = "no budget" if args.learn_gb is None else f"within {args.learn_gb:g} GiB, oldest out first"
+        every = (f"; the drafter adapts every {args.learn_every} new requests while idle" if args.learn_every
+                 else "; python -m mlx_mtp.learn adapts the drafter on them")
+        lines.append(f"keeping each finished request's token ids in {args.learn_dir} ({budget}; a request opts "
+                     f"out with `X-MLX-MTP-Learn: off`){every}")
+    return lines
+
+
 def serve(loaded, model_id: str, args) -> int:
     """Serve a loaded model as `model_id` until interrupted."""
     import uvicorn
@@ -135,13 +176,10 @@ def serve(loaded, model_id: str, args) -> int:
         return 2
     try:
         with engine:
-            mtp = "on" if loaded.drafter is not None else "off: no drafter"
             print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
-            where = args.prompt_cache_dir
-            on_disk = "" if where is None else f", prefix cache on disk in {where}"
-            print(f"serving {model_id!r} at http://{args.host}:{args.port}/v1 (MTP {mtp}, context "
-                  f"{model.context} tokens{on_disk})", file=sys.stderr, flush=True)
-            jit.on_first_compile(lambda: print(jit.NOTICE, file=sys.stderr, flush=True))
+            lines = start_lines(model_id, args, model.context, loaded.drafter is not None, engine.prompt_cache_bytes)
+            print("\n".join(lines), file=sys.stderr, flush=True)
+            jit.on_first_compile(lambda: sys.stderr.write(jit.NOTICE + "\n"))  # one write: a line of its own
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
             uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
                         log_level=args.log_level, timeout_graceful_shutdown=3)

@@ -26,6 +26,8 @@ from ..stats import Stats
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings,
                      structured, typed, unsupported)
+from .fields import (OPENAI_CALL, OPENAI_CHAT, OPENAI_COMPLETION, OPENAI_EXTENSIONS, OPENAI_FUNCTION, OPENAI_MESSAGE,
+                     OPENAI_PART, OPENAI_TOOL, OPENAI_TOOL_FUNCTION, extra, first_extra)
 
 __all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "parse_chat", "parse_completion",
            "response", "stream"]
@@ -35,18 +37,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Fields whose meaning we cannot honour: refused unless left at their default, never silently ignored.
 UNSUPPORTED = ("n", "best_of", "echo", "suffix", "functions", "function_call", "audio", "prediction",
                "web_search_options")
-# Every field of OpenAI's requests (chat, then completions) and this server's extensions (its own, and
-# vLLM's it takes): any other is refused, as OpenAI refuses it, so a misspelt field is never ignored.
-CHAT_FIELDS = frozenset({
-    "model", "messages", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
-    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort", "response_format",
-    "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
-    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options"})
-COMPLETION_FIELDS = frozenset({
-    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
-    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"})
-EXTENSIONS = frozenset({"draft_tokens", "mtp", "top_k", "min_p", "repetition_penalty", "structured_outputs"})
+# Which fields are known (any other is refused, as OpenAI refuses it): `fields`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +60,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/chat/completions: `messages` (and `tools`) are rendered with the model's chat
     template by the engine."""
     body = _object(body)
-    _known(body, CHAT_FIELDS | EXTENSIONS | {"chat_template_kwargs"})
+    _known(body, OPENAI_CHAT | OPENAI_EXTENSIONS | {"chat_template_kwargs"})
     options = mapping(body, "chat_template_kwargs")
     thinking = options.pop("enable_thinking", model.thinking)
     if not isinstance(thinking, bool):
@@ -83,7 +74,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
 def parse_completion(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/completions: `prompt` is text or token ids, continued as they are."""
     body = _object(body)
-    _known(body, COMPLETION_FIELDS | EXTENSIONS)
+    _known(body, OPENAI_COMPLETION | OPENAI_EXTENSIONS)
     return _job(body, "text_completion", model, prompt=_prompt(body.get("prompt"), model.vocab_size))
 
 
@@ -125,10 +116,36 @@ def _object(body: Any) -> dict:
 
 
 def _known(body: dict, fields: frozenset) -> None:
-    unknown = [name for name in body if name not in fields]
+    """Every field a known one (`fields`): OpenAI's words for those that are not, at the top of
+    the request and inside its messages, content parts, tool calls and tools."""
+    unknown = extra(body, fields)
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
         raise APIError(400, f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}")
+    messages, tools = body.get("messages"), body.get("tools")
+    checks = [(f"tools.[{i}]", tool, OPENAI_TOOL) for i, tool in enumerate(_list(tools))]
+    checks += [(f"tools.[{i}].function", tool.get("function"), OPENAI_TOOL_FUNCTION)
+               for i, tool in enumerate(_list(tools)) if isinstance(tool, dict)]
+    for i, message in enumerate(_list(messages)):
+        if not isinstance(message, dict) or message.get("role") not in OPENAI_MESSAGE:
+            continue  # refused for its role by `_messages`
+        checks.append((f"messages.[{i}]", message, OPENAI_MESSAGE[message["role"]]))
+        checks += [(f"messages.[{i}].content.[{j}]", part, OPENAI_PART[part.get("type")])
+                   for j, part in enumerate(_list(message.get("content")))
+                   if isinstance(part, dict) and part.get("type") in OPENAI_PART]  # other types: `_content`'s
+        for j, call in enumerate(_list(message.get("tool_calls"))):
+            checks.append((f"messages.[{i}].tool_calls.[{j}]", call, OPENAI_CALL))
+            if isinstance(call, dict):
+                checks.append((f"messages.[{i}].tool_calls.[{j}].function", call.get("function"), OPENAI_FUNCTION))
+    where = first_extra(checks)
+    if where is not None:  # OpenAI's words for a field its schema does not have
+        at, _, name = where.rpartition(".")
+        raise APIError(400, f"Additional properties are not allowed ('{name}' was unexpected) - '{at}'",
+                       param=at, code=None)
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -206,6 +223,7 @@ def _messages(messages: Any) -> list:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "`messages` must be a non-empty list")
     names: dict = {}  # tool call id -> function name, for the results that answer them
+    asked: set = set()  # the call ids of the last assistant message, which tool results answer
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -214,8 +232,9 @@ def _messages(messages: Any) -> list:
         m = {"role": role, "content": _content(message.get("content"), i, optional=role == "assistant")}
         if role == "assistant":
             m.update(_history_calls(message, i, names))
+            asked = {call["id"] for call in m.get("tool_calls", ())}
         elif role == "tool":
-            m.update(_tool_result(message, i, names))
+            m.update(_tool_result(message, i, names, asked))
         out.append(m)
     return out
 
@@ -261,8 +280,15 @@ def _history_call(call: Any, where: str, names: dict) -> dict:
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _tool_result(message: dict, i: int, names: dict) -> dict:
+def _tool_result(message: dict, i: int, names: dict, asked: set) -> dict:
+    """A tool message answers a call of the last assistant message, by its id (OpenAI's words)."""
     call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str):
+        raise invalid(f"messages.[{i}].tool_call_id", f"Missing required parameter: 'messages.[{i}].tool_call_id'.",
+                      code="missing_required_parameter")
+    if call_id not in asked:
+        raise invalid(f"messages.[{i}].tool_call_id", f"Invalid parameter: 'tool_call_id' of '{call_id}' not found "
+                      "in 'tool_calls' of previous message.", code=None)
     name = names.get(call_id) or message.get("name")
     return {"tool_call_id": call_id, **({"name": name} if isinstance(name, str) else {})}
 
