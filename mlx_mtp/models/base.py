@@ -183,6 +183,25 @@ def force_fused(on: Optional[bool]) -> Iterator[None]:
         _forced_fused = saved
 
 
+_graph_only = False  # set by `graph_only_block`
+
+
+def graph_only() -> bool:
+    """Whether forwards are being built only to be counted (`primitives.path`): `mx.fast` ops and
+    custom kernels stood in by one node each, so compiled traces are kept apart from real ones."""
+    return _graph_only
+
+
+@contextlib.contextmanager
+def graph_only_block() -> Iterator[None]:
+    global _graph_only
+    saved, _graph_only = _graph_only, True
+    try:
+        yield
+    finally:
+        _graph_only = saved
+
+
 MAX_STREAMS = 8
 _forced_streams: Optional[int] = None  # set by `using_streams`
 
@@ -216,8 +235,8 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
-    CPU streams quantized work is spread over, and whether mlx_mtp's GPU kernels are on, are part of
-    the key. Compiled functions are per
+    CPU streams quantized work is spread over, whether mlx_mtp's GPU kernels are on, and whether the
+    graph is only counted (`graph_only`), are part of the key. Compiled functions are per
     module object and per thread (MLX keeps traces per thread), their traces bounded in number
     (`jit.Bounded`).
     """
@@ -231,7 +250,7 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, (fused_kernels(), cpu_stream_count(), kernels.mode()), *args)
+        return fn(self, (fused_kernels(), cpu_stream_count(), kernels.mode(), _graph_only), *args)
 
     return call
 
