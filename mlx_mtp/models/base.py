@@ -250,14 +250,37 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, (fused_kernels(), cpu_stream_count(), kernels.mode(), _graph_only), *args)
+        return fn(self, mine.transposed(self), (fused_kernels(), cpu_stream_count(), kernels.mode(), _graph_only),
+                  *args)
 
     return call
 
 
 class _Compiled(dict):
-    """A module's compiled methods. A copy of the module compiles its own (these hold the
-    module they were made for)."""
+    """A module's compiled methods, and the transposed views of its unquantized product weights
+    (`transposed`). A copy of the module compiles its own (these hold the module they were made for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.readers: Optional[list] = None  # the modules that read a transposed weight, in tree order
+        self.views: list = []  # [(weight, its transpose, evaluated)] per reader
+
+    def transposed(self, module: nn.Module) -> list:
+        """The transposes of the readers' weights, evaluated views of them (no copy), made again for
+        a weight that changed: compile inputs, so a product reads W^T without a Transpose node."""
+        if self.readers is None:
+            self.readers = _readers(module)
+        if len(self.views) != len(self.readers):
+            self.views = [(None, None)] * len(self.readers)
+        out = []
+        for i, m in enumerate(self.readers):
+            w = m["weight"]
+            if self.views[i][0] is not w:
+                view = w.T
+                mx.eval(view)
+                self.views[i] = (w, view)
+            out.append(self.views[i][1])
+        return out
 
     def __copy__(self):
         return _Compiled()
@@ -266,11 +289,19 @@ class _Compiled(dict):
         return _Compiled()
 
 
-def _compile(method: Callable, module: weakref.ref) -> Callable:
-    def traced(arrays, backend, *args):  # arrays: the module's dict, as compile's tracers
-        return method(_holding(module(), arrays), *args)
+def _readers(module: nn.Module) -> list:
+    """The modules of a tree whose product reads a transposed weight handed to it (`reads_transpose`)."""
+    return [m for _, m in module.named_modules() if getattr(type(m), "reads_transpose", False) and "weight" in m]
 
-    return Bounded(traced, skip=1)  # refers to the module weakly: it holds this function
+
+def _compile(method: Callable, module: weakref.ref) -> Callable:
+    def traced(arrays, views, backend, *args):  # arrays: the module's dict, as compile's tracers
+        held = _holding(module(), arrays)
+        for m, view in zip(_readers(held), views):
+            object.__setattr__(m, "weight_t", view)  # an attribute of the trace's copy, not a parameter
+        return method(held, *args)
+
+    return Bounded(traced, skip=2)  # refers to the module weakly: it holds this function
 
 
 def _holding(structure, arrays):
@@ -296,9 +327,11 @@ def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
 
 @mx.compile
 def _rms_norm(x: mx.array, eps: float) -> mx.array:
-    # As mx.fast.rms_norm computes it: in float32, then the input's dtype.
-    y = x.astype(mx.float32)
-    return (y * mx.rsqrt(mx.mean(mx.square(y), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    # As mx.fast.rms_norm computes it: in float32, then the input's dtype. The squares are of |x| (the
+    # same values): one cast of x per use, so that each fuses with its use (a cast read twice is a
+    # graph node of its own, and its square another).
+    squares = mx.square(mx.abs(x).astype(mx.float32))
+    return (x.astype(mx.float32) * mx.rsqrt(mx.mean(squares, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 @mx.compile
