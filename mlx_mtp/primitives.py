@@ -199,8 +199,17 @@ def forward_kinds(target, rows: int, tokens: int, length: int = 64) -> collectio
     return tally
 
 
-def summary(target, drafter, rows: int = 1, k: int = 3) -> dict:
-    """Primitives of a plain step and of a K-draft round at `rows` rows on the running path."""
-    plain = round_kinds(target, drafter, rows, 0)
-    spec = round_kinds(target, drafter, rows, k) if drafter is not None else None
-    return dict(plain=sum(plain.values()), round=None if spec is None else sum(spec.values()), k=k, rows=rows)
+def device_path() -> str:
+    """The path forwards take here: `cuda` on an NVIDIA GPU with mlx_mtp's kernels on, `metal` where
+    the `mx.fast` branch runs (a GPU, or forced), else `cpu`."""
+    if base.fused_kernels():
+        return "cuda" if dispatch.cuda() and kernels.mode() == "auto" else "metal"
+    return "cpu"
+
+
+def summary(target, drafter, rows: int = 1, k: int = 3) -> tuple[int, Optional[int]]:
+    """(primitives of a plain step, of a K-draft round) at `rows` rows on this device's path."""
+    with path(device_path()):
+        plain = sum(round_kinds(target, drafter, rows, 0).values())
+        spec = sum(round_kinds(target, drafter, rows, k).values()) if drafter is not None else None
+    return plain, spec

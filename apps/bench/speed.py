@@ -22,9 +22,11 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp import jit
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load
+from mlx_mtp.speculative import K_MAX
 from mlx_mtp.stats import Stats
 
 from .env import median, peak_mb, reset_peak
@@ -223,6 +225,20 @@ class Case:
     note: str = ""
     runs: list = dataclasses.field(default_factory=list)
     tokens: Optional[list] = None  # from the warm-up
+    traces: int = 0  # new compiled traces in its timed runs (0 after a complete warm-up)
+
+
+def warm_lengths(loaded, sets: dict, batches: list, singles: int, n: int, log) -> None:
+    """Runs of every fixed draft length 0..K_MAX on each case's prompts, so that no shape `auto`
+    picks in a timed run is compiled there (issue 42: auto measured 0.09x plain on a GPU that way)."""
+    for prompts in sets.values():
+        for B in batches:
+            for k in range(K_MAX + 1):
+                if B == 1:
+                    many(lambda p: ours_single(loaded, p, n, k), prompts[:singles])
+                else:
+                    ours_batch(loaded, prompts[:B], n, k)
+    log(f"warmed draft lengths 0..{K_MAX} at B = {', '.join(map(str, batches))}")
 
 
 def parse_ks(text: str) -> list:
@@ -306,9 +322,13 @@ def run_speed(args, log=print) -> dict:
     started = time.perf_counter()
     for c in cases:  # warm-up of every path (compiles, allocations), and the outputs
         c.tokens = c.fn().tokens
+    if "auto" in ks:  # every draft length `auto` may pick, at every B, built before anything is timed
+        warm_lengths(loaded, sets, batches, singles, n, log)
     for r in range(args.repeats):
         for c in cases:
-            c.runs.append(c.fn())
+            with jit.counting() as traced:
+                c.runs.append(c.fn())
+            c.traces += traced.count
         log(f"repeat {r + 1}/{args.repeats} done ({time.perf_counter() - started:.0f} s)")
 
     index = {(c.prompt_class, c.batch, c.mode): c for c in cases}
@@ -346,9 +366,12 @@ def run_speed(args, log=print) -> dict:
             tokens_per_forward=total / max(median([r.forwards for r in c.runs]) + rows_n, 1)
             if c.mode.startswith("ours") else None,
             peak_mb=median([r.peak_mb for r in c.runs]),
-            same_as=c.reference, same_output=same, first_divergence=first_diff,
+            same_as=c.reference, same_output=same, first_divergence=first_diff, traces_timed=c.traces,
         ))
     shutil.rmtree(tmp, ignore_errors=True)
+    traced = {f"{c.prompt_class} B={c.batch} {c.mode}": c.traces for c in cases if c.traces}
+    notes.append("new compiled traces during the timed runs: " + (
+        ", ".join(f"{name}: {count}" for name, count in traced.items()) if traced else "none"))
     return dict(
         mode="speed", pair=pair, model=str(model_dir), drafter=str(drafter_dir),
         quantization=quantization_label(model_dir, loaded.target),

@@ -235,8 +235,8 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
-    CPU streams quantized work is spread over, whether mlx_mtp's GPU kernels are on, and whether the
-    graph is only counted (`graph_only`), are part of the key. Compiled functions are per
+    CPU streams quantized work is spread over, whether mlx_mtp's GPU kernels are on (and on CUDA),
+    and whether the graph is only counted (`graph_only`), are part of the key. Compiled functions are per
     module object and per thread (MLX keeps traces per thread), their traces bounded in number
     (`jit.Bounded`).
     """
@@ -250,8 +250,8 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, mine.transposed(self), (fused_kernels(), cpu_stream_count(), kernels.mode(), _graph_only),
-                  *args)
+        backend = (fused_kernels(), cpu_stream_count(), kernels.mode(), kernels.dispatch.cuda(), _graph_only)
+        return fn(self, mine.transposed(self), backend, *args)
 
     return call
 
@@ -300,6 +300,8 @@ def _compile(method: Callable, module: weakref.ref) -> Callable:
         for m, view in zip(_readers(held), views):
             object.__setattr__(m, "weight_t", view)  # an attribute of the trace's copy, not a parameter
         return method(held, *args)
+
+    traced.__qualname__ = method.__qualname__  # what `jit.counting` names
 
     return Bounded(traced, skip=2)  # refers to the module weakly: it holds this function
 
