@@ -270,40 +270,43 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B * L, self.n_heads * self.head_dim)), kv
 
     def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
-        """Normalised q and k heads side by side, (B, L, q heads + k heads, head_dim), not rotated, and
-        v (B, L, kv heads, head_dim), None where the K/V are shared: one product over the joined weight."""
+        """Normalised heads in attention's layout (B, heads, L, head_dim), not rotated: the ones to
+        rotate (q's and k's side by side on the CPU: one rotation; apart where mx.fast's rope runs)
+        and v (None where the K/V are shared). One product over the joined weight; one token per row
+        needs no transpose."""
         nq, nk, nv = self.heads
-        heads = self.qkv_proj(x).reshape(B, L, nq + nk + nv, self.head_dim)
+        y = self.qkv_proj(x)
+        heads = (y.reshape(B, nq + nk + nv, 1, self.head_dim) if L == 1
+                 else y.reshape(B, L, nq + nk + nv, self.head_dim).transpose(0, 2, 1, 3))
         if not own_kv:
-            return self.q_norm(heads), None
+            return [self.q_norm(heads)], None
         if fused_kernels():  # mx.fast's norm takes one weight: a norm per projection
-            q, k, v = mx.split(heads, [nq, nq + nk], axis=2)
-            v = k if self.k_eq_v else v
-            return mx.concatenate([self.q_norm(q), self.k_norm(k)], axis=2), rms_norm(v, None, self.eps)
+            q, k, v = mx.split(heads, [nq, nq + nk], axis=1)
+            return [self.q_norm(q), self.k_norm(k)], rms_norm(k if self.k_eq_v else v, None, self.eps)
         # One norm for every head, each head's weight picked elementwise (1 for v: no weight).
+        weights = _head_weights(self.heads, self.q_norm.weight, self.k_norm.weight)
         if self.k_eq_v:  # V is the raw K, normalised without weight
             normed = rms_norm(heads, None, self.eps)
-            return normed * _head_weights(self.heads, self.q_norm.weight, self.k_norm.weight), normed[:, :, nq:]
-        qk, v = mx.split(rms_norm(heads, _head_weights(self.heads, self.q_norm.weight, self.k_norm.weight), self.eps),
-                         [nq + nk], axis=2)
-        return qk, v
+            return [normed * weights], normed[:, nq:]
+        qk, v = mx.split(rms_norm(heads, weights, self.eps), [nq + nk], axis=1)
+        return [qk], v
 
-    def _attend(self, qk: mx.array, v: Optional[mx.array], step: Step, shared_kv) -> tuple:
-        """Rotate q and k (one rotation for both), store the K/V in the cache and attend:
-        (B, heads, L, head_dim) and the kv."""
-        q = self.rope(qk.transpose(0, 2, 1, 3), step)
+    def _attend(self, parts: list, v: Optional[mx.array], step: Step, shared_kv) -> tuple:
+        """Rotate q and k, store the K/V in the cache and attend: (B, heads, L, head_dim) and the kv."""
+        rotated = [self.rope(p, step) for p in parts]
+        q = rotated[0]
         if shared_kv is None:
-            q, k = mx.split(q, [self.n_heads], axis=1)
-            shared_kv = step.store(self.index, k, v.transpose(0, 2, 1, 3))
+            q, k = rotated if len(rotated) == 2 else mx.split(q, [self.n_heads], axis=1)
+            shared_kv = step.store(self.index, k, v)
         return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch), shared_kv
 
     def _ragged(self, x: mx.array, ragged: Ragged, shared: Optional[list]) -> tuple:
         """Projections over every row's tokens at once; attention row by row (its own cache's slots,
         masks and RoPE offsets, the shapes of its own forward)."""
-        qk, v = self._project(x, 1, x.shape[0], shared is None)
+        parts, v = self._project(x, 1, x.shape[0], shared is None)
         outs, kvs = [], []
         for i, (step, (a, b)) in enumerate(zip(ragged.steps, ragged.bounds)):
-            mine = [None if t is None else t[:, a:b] for t in (qk, v)]
+            mine = [t[:, :, a:b] for t in parts], None if v is None else v[:, :, a:b]
             out, kv = self._attend(*mine, step, None if shared is None else shared[i])
             outs.append(out.transpose(0, 2, 1, 3))
             kvs.append(kv)
@@ -315,11 +318,11 @@ _HEAD_INDEX: dict = {}
 
 
 def _head_weights(heads: tuple, q_weight: mx.array, k_weight: mx.array) -> mx.array:
-    """(heads, head_dim) norm weights of a joined projection's heads: q's weight on q's heads, k's on
+    """(heads, 1, head_dim) norm weights of a joined projection's heads: q's weight on q's heads, k's on
     k's, 1 on v's; picked elementwise (fused into the norm) by a head index built on the host."""
     nq, nk, nv = heads
-    if heads not in _HEAD_INDEX:
-        _HEAD_INDEX[heads] = mx.array(np.arange(nq + nk + nv, dtype=np.int32)[:, None])
+    if heads not in _HEAD_INDEX:  # (heads, 1, 1): heads lie on axis 1 of (B, heads, L, head_dim)
+        _HEAD_INDEX[heads] = mx.array(np.arange(nq + nk + nv, dtype=np.int32)[:, None, None])
     index = _HEAD_INDEX[heads]
     w = mx.where(index < nq, q_weight, k_weight)
     return mx.where(index < nq + nk, w, 1.0) if nv else w
