@@ -83,6 +83,12 @@ class Bounded:
         return self.compiled(*args)
 
 
+def small(fn: Callable) -> Bounded:
+    """`Bounded` for a function of a few ops (masks, bookkeeping), whose traces cost little to keep:
+    room for every batch size, draft length and buffer size a long run meets."""
+    return Bounded(fn, limit=512)
+
+
 def signature(tree: Any) -> Any:
     """A hashable summary of a compile argument tree: what MLX keys its traces on."""
     if isinstance(tree, mx.array):

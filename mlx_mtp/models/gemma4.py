@@ -21,6 +21,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from ..cache import FULL, SLIDING, KVCache, Ragged, Step
+from ..jit import small
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
 from .quantized import Embedding, Linear, forward_tokens, switch_glu
@@ -187,7 +188,8 @@ class Rope:
         self.dims, self.key = head_dim, ("rope", head_dim, tuple(periods))
         self.base = float(params.get("rope_theta", 10000.0)) if params.get("rope_type", "default") == "default" else None
         self.freqs = None if self.base is not None else mx.array(periods.astype(np.float32))
-        self.inverse = mx.array((1.0 / periods).astype(np.float32))
+        inverse = (1.0 / periods).astype(np.float32)
+        self.inverse = mx.array(np.concatenate([inverse, inverse]))  # each pair's angle in both its halves
 
     def __call__(self, x: mx.array, step: Step) -> mx.array:
         if fused_kernels():
@@ -200,10 +202,14 @@ class Rope:
         made once per step and layer type."""
         table = step.scratch.get(self.key)
         if table is None:
-            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse
-            angles = mx.concatenate([angles, angles], axis=-1)
-            table = step.scratch[self.key] = (mx.cos(angles), mx.sin(angles))
+            table = step.scratch[self.key] = _table(step.positions, self.inverse)
         return table
+
+
+@small
+def _table(positions: mx.array, inverse: mx.array) -> tuple[mx.array, mx.array]:
+    angles = positions[:, None, :, None].astype(mx.float32) * inverse
+    return mx.cos(angles), mx.sin(angles)
 
 
 @mx.compile
@@ -264,10 +270,10 @@ class Attention(nn.Module):
         if isinstance(step, Ragged):
             return self._ragged(x, step, shared_kv)
         B, L = step.positions.shape
-        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv)
-        if L > 1:  # (B, heads, L, D) -> the rows' tokens in order (one token: already in order)
-            out = out.transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(B * L, self.n_heads * self.head_dim)), kv
+        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv, flat=L == 1)
+        if L > 1:  # (B, heads, L, D) -> the rows' tokens in order
+            out = out.transpose(0, 2, 1, 3).reshape(B * L, self.n_heads * self.head_dim)
+        return self.o_proj(out), kv
 
     def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
         """Normalised heads in attention's layout (B, heads, L, head_dim), not rotated: the ones to
@@ -291,14 +297,15 @@ class Attention(nn.Module):
         qk, v = mx.split(rms_norm(heads, weights, self.eps), [nq + nk], axis=1)
         return [qk], v
 
-    def _attend(self, parts: list, v: Optional[mx.array], step: Step, shared_kv) -> tuple:
-        """Rotate q and k, store the K/V in the cache and attend: (B, heads, L, head_dim) and the kv."""
+    def _attend(self, parts: list, v: Optional[mx.array], step: Step, shared_kv, flat: bool = False) -> tuple:
+        """Rotate q and k, store the K/V in the cache and attend: (B, heads, L, head_dim), or with one
+        token per row and `flat` (B, heads * head_dim), and the kv."""
         rotated = [self.rope(p, step) for p in parts]
         q = rotated[0]
         if shared_kv is None:
             q, k = rotated if len(rotated) == 2 else mx.split(q, [self.n_heads], axis=1)
             shared_kv = step.store(self.index, k, v)
-        return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch), shared_kv
+        return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch, flat), shared_kv
 
     def _ragged(self, x: mx.array, ragged: Ragged, shared: Optional[list]) -> tuple:
         """Projections over every row's tokens at once; attention row by row (its own cache's slots,
@@ -329,15 +336,17 @@ def _head_weights(heads: tuple, q_weight: mx.array, k_weight: mx.array) -> mx.ar
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
-              scratch: Optional[dict] = None) -> mx.array:
-    """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T).
+              scratch: Optional[dict] = None, flat: bool = False) -> mx.array:
+    """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T):
+    (B, n, L, D), or (B, n * D) with `flat` (one query per row: the same order, one reshape).
     GPUs run `mx.fast`'s kernel (or, on NVIDIA GPUs, decode and verify steps mlx_mtp's: `kernels`);
     elsewhere (where that kernel is split into many ops) the heads sharing a K/V head attend as one
     matrix, with no broadcast copies of the K/V; the mask repeated for a group's heads is made once
     per forward where `scratch` (the step's) is given."""
     if fused_kernels():
         out = kernels.attention(q, keys, values, mask)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
+        return out.reshape(q.shape[0], -1) if flat else out
     B, n, L, D = q.shape
     n_kv, T = keys.shape[1], keys.shape[2]
     rows = n // n_kv * L
@@ -352,7 +361,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
                     scratch[key] = grouped
             mask = grouped
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(B, n, L, D)
+    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(*((B, n * D) if flat else (B, n, L, D)))
 
 
 class MLP(nn.Module):
@@ -519,9 +528,11 @@ class TextModel(nn.Module):
 
     def _layers(self, layers: range, x: mx.array, step, ple: Optional[mx.array], kvs: dict) -> tuple:
         """Run `layers` on x; `kvs`: the K/V of the layers KV-shared layers read, kept as they run."""
+        if ple is not None:  # each layer's (N, P) signal: one split, not a slice and a squeeze per layer
+            ple = mx.split(ple.reshape(ple.shape[0], -1), self.cfg.num_hidden_layers, axis=-1)
         for i in layers:
             src = self.cfg.kv_source(i)
-            x, kv = self.layers[i](x, step, kvs.get(src), ple[:, i] if ple is not None else None)
+            x, kv = self.layers[i](x, step, kvs.get(src), ple[i] if ple is not None else None)
             if src == i and i in self.sources:
                 kvs[i] = kv
         return x, kvs

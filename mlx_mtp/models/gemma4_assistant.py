@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import FULL, SLIDING, Step
+from ..jit import small
 from . import gemma4
 from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel, compiled, fused_kernels
 from .quantized import Embedding, Linear
@@ -189,7 +190,7 @@ class _DraftBody(nn.Module):
         return _visible(kpos, positions, self.cfg.sliding_window if kind == SLIDING else None)
 
 
-@mx.compile  # one kernel for the comparisons, per block and attention type
+@small  # one kernel for the comparisons, per block and attention type
 def _visible(kpos: mx.array, positions: mx.array, window: Optional[int]) -> mx.array:
     k, p = kpos[:, None, :], positions[:, :, None]
     visible = (k >= 0) & (k < p)
