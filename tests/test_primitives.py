@@ -11,8 +11,8 @@ from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.loading import model_from_weights
 from mlx_mtp.models import gemma4
 from mlx_mtp.models.quantized import QuantizedLinear
-from mlx_mtp.speculative import K_MAX
 from mlx_mtp.tiny import quantized_pair, tiny_pair
+from mlx_mtp.warm import every_length
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +101,16 @@ def run(pair, prompts, k, n=10) -> list:
 
 
 def test_auto_compiles_nothing_once_every_draft_length_is_warmed():
-    """Warm-up runs each draft length auto may pick at the batch's shapes; the auto run after it traces
-    nothing new (without the warm-up it does: the counter sees it)."""
+    """Warm-up runs each draft length auto may pick, and plain steps and drafted rounds in turn, at the
+    batch's shapes; the auto runs after it trace nothing new (without the warm-up they do: the counter
+    sees it)."""
     prompts = [np.random.default_rng(i).integers(3, 128, 12 + i).tolist() for i in range(2)]
     cold = tiny_pair("dense", seed=7)
     with jit.counting() as traced:
         run(cold, prompts, "auto")
     assert traced.count > 0
     warm = tiny_pair("dense", seed=7)
-    for k in range(K_MAX + 1):
-        run(warm, prompts, k)
+    every_length(prompts, warm, 10)
     with jit.counting() as traced:
         tokens = run(warm, prompts, "auto")
     assert traced.count == 0, traced.signatures

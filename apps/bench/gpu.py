@@ -32,6 +32,7 @@ from mlx_mtp import jit, kernels
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.memory import BACKENDS, Device, nbytes
 from mlx_mtp.speculative import K_MAX
+from mlx_mtp.warm import Cycle, cycling
 from mlx_mtp.models import gemma4
 
 from . import inmemory, peers
@@ -138,11 +139,13 @@ def oracle_run(target, drafter, prompts: list, truths: list, k, p: float, n: int
     run every round; a warm-up run first, on the same generator (so `auto` starts from what it
     measured); against plain decoding of the same rows."""
     oracle = RowsOracle(truths, [len(x) for x in prompts], target.vocab_size, p, MTPProposer(drafter, target))
-    if k == "auto":  # every draft length auto may pick built first: no compile inside the timed run
-        for fixed in range(K_MAX + 1):
-            warm = JoinTogether(target, oracle, draft_tokens=fixed)
+    if k == "auto":  # every draft length auto may pick, in every order, built first: no compile when timed
+        for fixed in [*range(K_MAX + 1), Cycle()]:
+            warm = JoinTogether(target, oracle, draft_tokens=fixed if isinstance(fixed, int) else "auto")
+            if isinstance(fixed, Cycle):
+                cycling(warm, fixed)
             oracle.start(warm, seed=1)
-            decode_run(warm, prompts, min(n, 2 * (fixed + 1)))
+            decode_run(warm, prompts, min(n, 4 * (K_MAX + 1)))
     gen = JoinTogether(target, oracle, draft_tokens=k)
     oracle.start(gen, seed=1)
     decode_run(gen, prompts, min(n, 12))

@@ -28,6 +28,7 @@ from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load
 from mlx_mtp.speculative import K_MAX
 from mlx_mtp.stats import Stats
+from mlx_mtp.warm import every_length
 
 from .env import median, peak_mb, reset_peak
 from .prompts import prompt_sets
@@ -229,16 +230,14 @@ class Case:
 
 
 def warm_lengths(loaded, sets: dict, batches: list, singles: int, n: int, log) -> None:
-    """Runs of every fixed draft length 0..K_MAX on each case's prompts, so that no shape `auto`
-    picks in a timed run is compiled there (issue 42: auto measured 0.09x plain on a GPU that way)."""
+    """Every shape `auto` may meet built on each case's prompts before anything is timed (issue 42: auto
+    measured 0.09x plain on a GPU, compiling mid-run): each fixed draft length, then plain steps and
+    drafted rounds in turn (`warm.every_length`)."""
     for prompts in sets.values():
         for B in batches:
-            for k in range(K_MAX + 1):
-                if B == 1:
-                    many(lambda p: ours_single(loaded, p, n, k), prompts[:singles])
-                else:
-                    ours_batch(loaded, prompts[:B], n, k)
-    log(f"warmed draft lengths 0..{K_MAX} at B = {', '.join(map(str, batches))}")
+            for group in ([[p] for p in prompts[:singles]] if B == 1 else [prompts[:B]]):
+                every_length(group, loaded, n)
+    log(f"warmed draft lengths 0..{K_MAX} and their orders at B = {', '.join(map(str, batches))}")
 
 
 def parse_ks(text: str) -> list:
