@@ -115,3 +115,23 @@ def test_auto_compiles_nothing_once_every_draft_length_is_warmed():
         tokens = run(warm, prompts, "auto")
     assert traced.count == 0, traced.signatures
     assert tokens == run(warm, prompts, 0)  # and auto's output is plain greedy decoding's
+
+
+def test_compiled_forwards_read_the_weights_the_model_has_now():
+    """Products read transposed views of their weights handed to the compiled forward: made again when a
+    weight changes, and found again when a layer is replaced (here: quantized after the first forward)."""
+    from mlx_mtp.models.quantized import adopt
+
+    mine, other = tiny_pair("dense", seed=11).target, tiny_pair("dense", seed=12).target
+    ids = mx.array([[5], [9]])
+
+    def step(model):  # a decoding step: the compiled forward
+        return model(ids, primitives.filled_cache(model, 2, 16)).logits
+
+    first = step(mine)
+    mine.update(other.parameters())
+    assert mx.array_equal(step(mine), step(other)) and not mx.array_equal(step(mine), first)
+    for model in (mine, other):
+        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith("mlp.down_proj"))
+        adopt(model)
+    assert mx.array_equal(step(mine), step(other))

@@ -267,13 +267,13 @@ class _Compiled(dict):
 
     def transposed(self, module: nn.Module) -> list:
         """The transposes of the readers' weights, evaluated views of them (no copy), made again for
-        a weight that changed: compile inputs, so a product reads W^T without a Transpose node."""
-        if self.readers is None:
+        a weight that changed: compile inputs, so a product reads W^T without a Transpose node. The
+        readers are found again where one was replaced (quantized, dropped by a pipeline stage)."""
+        if self.readers is None or any(parent[key] is not m for parent, key, m in self.readers):
             self.readers = _readers(module)
-        if len(self.views) != len(self.readers):
             self.views = [(None, None)] * len(self.readers)
         out = []
-        for i, m in enumerate(self.readers):
+        for i, (_, _, m) in enumerate(self.readers):
             w = m["weight"]
             if self.views[i][0] is not w:
                 view = w.T
@@ -290,15 +290,30 @@ class _Compiled(dict):
 
 
 def _readers(module: nn.Module) -> list:
-    """The modules of a tree whose product reads a transposed weight handed to it (`reads_transpose`)."""
-    return [m for _, m in module.named_modules() if getattr(type(m), "reads_transpose", False) and "weight" in m]
+    """(container, key, module) of each module of a tree whose product reads a transposed weight handed to
+    it (`reads_transpose`), in a fixed order (the same for a trace's copy of the tree)."""
+    out = []
+
+    def walk(node) -> None:
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, nn.Module):
+                if getattr(type(value), "reads_transpose", False) and "weight" in value:
+                    out.append((node, key, value))
+                walk(value)
+            elif isinstance(value, (list, tuple, dict)):
+                walk(value)
+
+    walk(module)
+    return out
 
 
 def _compile(method: Callable, module: weakref.ref) -> Callable:
     def traced(arrays, views, backend, *args):  # arrays: the module's dict, as compile's tracers
         held = _holding(module(), arrays)
-        for m, view in zip(_readers(held), views):
-            object.__setattr__(m, "weight_t", view)  # an attribute of the trace's copy, not a parameter
+        readers = _readers(held)
+        if len(readers) == len(views):  # (else a reader was added since: each transposes its own weight)
+            for (_, _, m), view in zip(readers, views):
+                object.__setattr__(m, "weight_t", view)  # an attribute of the trace's copy, not a parameter
         return method(held, *args)
 
     traced.__qualname__ = method.__qualname__  # what `jit.counting` names
