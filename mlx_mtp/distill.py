@@ -107,7 +107,7 @@ def save_drafter(drafter: nn.Module, config: dict, out: Path, extra: Optional[di
     `check_saved`), floating-point weights cast to `dtype` if given. Written beside `out` and renamed
     into place: a crash leaves the old directory or the new, whole."""
     out = Path(out)
-    weights = layout.unjoin(dict(tree_flatten(drafter.parameters())), drafter.model.layers)
+    weights = layout.checkpoint_weights(drafter)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

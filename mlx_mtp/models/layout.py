@@ -97,3 +97,11 @@ def joined_name(path: str) -> str:
     """A module path of the checkpoint's layout under the joined one (`join`): for quantization records."""
     path = re.sub(r"\.self_attn\.[qkv]_proj$", ".self_attn.qkv_proj", path)
     return re.sub(r"\.mlp\.(gate|up)_proj$", ".mlp.gate_up_proj", path)
+
+
+def checkpoint_weights(model) -> dict[str, mx.array]:
+    """A Gemma 4 target's or drafter's tensors under the checkpoint's names and layout (`unjoin`): what
+    HF, mlx-lm and mlx-vlm load, and this package too."""
+    from mlx.utils import tree_flatten
+
+    return unjoin(dict(tree_flatten(model.parameters())), model.model.layers)
