@@ -22,7 +22,8 @@ SHORT = 16  # tokens of the others
 
 def warm(loaded: Loaded, batches: Iterable[int] = range(1, 9), log: Callable[[str], None] = print) -> dict:
     """Run a long prefill, then at each batch size plain decoding and verifies of each draft length
-    1..K_MAX (with a drafter); returns what was run, the kernels MLX compiled meanwhile and the seconds."""
+    1..K_MAX, and plain steps and verifies in turn (`Cycle`), with a drafter; returns what was run, the
+    kernels MLX compiled meanwhile and the seconds."""
     folder, started = jit.kernel_dir(), time.perf_counter()
     before = jit.count(folder)
     context = loaded.target.config.max_position_embeddings
@@ -32,10 +33,12 @@ def warm(loaded: Loaded, batches: Iterable[int] = range(1, 9), log: Callable[[st
     runs = 1
     for B in batches:
         for k in [*lengths, *([Cycle()] if loaded.drafter is not None else [])]:  # rows of different lengths
-            run([ids[row : row + SHORT + row] for row in range(B)], loaded, k, 3 * (K_MAX + 1))
+            tokens = 3 * (k + 1) if isinstance(k, int) else 4 * (K_MAX + 1)
+            run([ids[row : row + SHORT + row] for row in range(B)], loaded, k, tokens)
             runs += 1
-        log(f"B={B}: plain steps" + (f" and verifies of K = 1..{lengths[-1]}" if lengths[-1] else "") + " run "
-            f"({jit.count(folder) - before} kernels compiled so far, {time.perf_counter() - started:.0f} s)")
+        drafted = f" and verifies of K = 1..{lengths[-1]} run, and in turn" if lengths[-1] else " run"
+        log(f"B={B}: plain steps{drafted} ({jit.count(folder) - before} kernels compiled so far, "
+            f"{time.perf_counter() - started:.0f} s)")
     return dict(runs=runs, compiled=jit.count(folder) - before, seconds=time.perf_counter() - started)
 
 
