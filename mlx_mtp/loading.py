@@ -111,7 +111,6 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, pr
             path = joined(name[: -len(".weight")])
             if overrides.setdefault(path, value) != value:
                 raise ConfigError(f"quantization record: the parts of {path} are quantized differently")
-            overrides[path] = value
 
     def predicate(path: str, layer: nn.Module):
         if path in overrides:

@@ -135,3 +135,17 @@ def test_compiled_forwards_read_the_weights_the_model_has_now():
         nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith("mlp.down_proj"))
         adopt(model)
     assert mx.array_equal(step(mine), step(other))
+
+
+def test_a_record_quantizing_the_parts_of_a_joined_projection_apart_is_refused(dense):
+    from mlx_mtp.loading import apply_quantization
+    from mlx_mtp.models.base import ConfigError
+
+    record = {"group_size": 32, "bits": 4, "model.layers.0.mlp.gate_proj": {"group_size": 32, "bits": 8},
+              "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 8}}
+    model = gemma4.Model(dense.target.config)
+    apply_quantization(model, record, gemma4)  # both parts at 8 bits: the joined module is
+    assert model.model.layers[0].mlp.gate_up_proj.bits == 8 and model.model.layers[1].mlp.gate_up_proj.bits == 4
+    record["model.layers.0.mlp.up_proj"] = {"group_size": 32, "bits": 4}
+    with pytest.raises(ConfigError, match="gate_up_proj are quantized differently"):
+        apply_quantization(gemma4.Model(dense.target.config), record, gemma4)
