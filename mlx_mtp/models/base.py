@@ -112,7 +112,7 @@ class TargetModel(Protocol):
     def logits(self, hidden: mx.array) -> mx.array: ...
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """Scaled input embedding, (B, L) -> (B, L, H): the drafter's token input."""
+        """Scaled input embedding, (B, L) -> (B, L, H) (or (B,) -> (B, H)): the drafter's token input."""
         ...
 
 
