@@ -73,21 +73,26 @@ def plan(
     if quantize:
         q.base_params(bits, group_size, mode)  # bad settings fail before any work
 
+    kept: dict = {}
     if shapes_only:
         config = read_config(src)
         model = build_model(config)
         cast_floats(model, DTYPES[dtype])
     else:
-        model, config, _ = load_model(src, dtype=DTYPES[dtype], lazy=True)
+        with module.keeping_parts() as kept:
+            model, config, _ = load_model(src, dtype=DTYPES[dtype], lazy=True)
     config = output_config(config, model, dtype)
     if quantize:
         config = q.quantize(model, config, bits=bits, group_size=group_size, mode=mode, preset=preset)
     prefix = "language_model." if model_type == "gemma4" else ""
+    layers = model.model.layers
     if "quantization" in config:
-        config["quantization"] = _record_names(config["quantization"], module, prefix)
+        config["quantization"] = _record_names(config["quantization"], module, prefix, layers)
     config.pop("quantization_config", None)  # save_config writes it back from `quantization`
 
-    weights = {prefix + k: v for k, v in tree_flatten(model.parameters())}
+    # Written in the checkpoint's layout (q/k/v_proj, gate/up_proj: what HF and mlx-lm load), not
+    # the projections the model joins at load.
+    weights = {prefix + k: v for k, v in module.unjoin(dict(tree_flatten(model.parameters())), layers, kept).items()}
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the caller owns the arrays now
     return src, config, weights
 
@@ -217,17 +222,20 @@ def _released_text_config(text: dict[str, Any], cfg: TextConfig) -> None:
     text["layer_types"] = list(cfg.layer_types)
 
 
-def _record_names(record: dict[str, Any], module, prefix: str) -> dict[str, Any]:
-    """Per-path entries of a quantization record under the names the weights are saved with."""
+def _record_names(record: dict[str, Any], module, prefix: str, layers) -> dict[str, Any]:
+    """Per-path entries of a quantization record under the names the weights are saved with (a joined
+    projection's entry for each of its parts)."""
     rename = getattr(module, "rename", None) or (lambda k: k)
     out = {}
     for key, value in record.items():
-        if isinstance(value, (dict, bool)):
-            name = rename(key + ".weight")
-            if name is None:
-                continue
-            key = prefix + name[: -len(".weight")]
-        out[key] = value
+        if not isinstance(value, (dict, bool)):
+            out[key] = value
+            continue
+        name = rename(key + ".weight")
+        if name is None:
+            continue
+        for part, _ in module.parts(name[: -len(".weight")], layers):
+            out[prefix + part] = value
     return out
 
 

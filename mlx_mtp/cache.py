@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from .jit import small
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -324,7 +326,7 @@ class KVCache:
         """Set each row's length to `offset` (B,) on the device, forgetting later positions.
         The caller guarantees it lies within `max_rollback` of every row's last write."""
         for track in self.tracks.values():
-            track.pos = mx.where(track.pos >= offset[:, None], -1, track.pos)
+            track.pos = _forget(track.pos, offset)
         self.offset = offset.astype(mx.int32)
         self.exact = False
 
@@ -477,7 +479,12 @@ def _rows_or_zeros(buf: Optional[mx.array], rows: int, like: mx.array) -> mx.arr
     return buf.astype(like.dtype)
 
 
-@mx.compile  # one kernel for the comparisons, per step and attention type
+@small  # one kernel: slots at or past each row's new length are emptied
+def _forget(pos: mx.array, offset: mx.array) -> mx.array:
+    return mx.where(pos >= offset[:, None], -1, pos)
+
+
+@small  # one kernel for the comparisons, per step and attention type
 def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int]) -> mx.array:
     """(B, 1, L, T): key slot at kpos is visible to the query at qpos."""
     k, q = kpos[:, None, :], qpos[:, :, None]

@@ -39,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .cache import FULL, SLIDING
-from .models import gemma4_assistant
+from .models import gemma4_assistant, layout
 from .models.base import SharedKV
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".rs", ".go")
@@ -102,11 +102,12 @@ def new_drafter(config: dict) -> gemma4_assistant.Model:
 
 def save_drafter(drafter: nn.Module, config: dict, out: Path, extra: Optional[dict] = None,
                  dtype: Optional[mx.Dtype] = None) -> None:
-    """config.json + model.safetensors (our parameter names, which load_model reads back, and a CRC-32
-    of the weights in its metadata: `check_saved`), floating-point weights cast to `dtype` if given.
-    Written beside `out` and renamed into place: a crash leaves the old directory or the new, whole."""
+    """config.json + model.safetensors (the checkpoint's layout: q_proj, gate_proj and up_proj apart, as
+    HF and mlx-lm name them, which load_model joins again; a CRC-32 of the weights in its metadata:
+    `check_saved`), floating-point weights cast to `dtype` if given. Written beside `out` and renamed
+    into place: a crash leaves the old directory or the new, whole."""
     out = Path(out)
-    weights = dict(tree_flatten(drafter.parameters()))
+    weights = layout.checkpoint_weights(drafter)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     temp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -35,7 +35,7 @@ class MTPProposer:
         processors = plan.processors  # bias and penalties apply to drafts as to the target; forced tokens lead
         key = None if plan.greedy else params_key(plan.params)
         for i in range(k):
-            out = self.drafter.draft_step(self.target.embed(tokens[:, None])[:, 0], hidden, shared, position, step)
+            out = self.drafter.draft_step(self.target.embed(tokens), hidden, shared, position, step)
             logits = None
             if processors is not None:
                 logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,

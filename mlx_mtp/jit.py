@@ -17,12 +17,50 @@ import os
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 
 NOTICE = "compiling kernels (kept on disk for later runs)"
+
+
+class Traces:
+    """How many new traces compiled functions (`Bounded`) made: each is a graph built and optimised
+    again, and on the CPU and CUDA backends, for a new kernel, a compile. A run that was warmed up
+    for its shapes makes none (`counting`)."""
+
+    def __init__(self):
+        self.count = 0
+        self.signatures: list = []  # (function name, signature) of each, for saying which
+
+    def __repr__(self) -> str:
+        return f"Traces({self.count})"
+
+
+_counters: list = []  # the open `counting` blocks
+_lock = threading.Lock()
+
+
+@contextmanager
+def counting() -> Iterator[Traces]:
+    """Count the new traces compiled functions make within the block (every thread's)."""
+    traces = Traces()
+    with _lock:
+        _counters.append(traces)
+    try:
+        yield traces
+    finally:
+        with _lock:
+            _counters.remove(traces)
+
+
+def _traced(name: str, key) -> None:
+    with _lock:
+        for traces in _counters:
+            traces.count += 1
+            traces.signatures.append((name, key))
 
 
 class Bounded:
@@ -38,11 +76,19 @@ class Bounded:
     def __call__(self, *args):
         key = signature(args[self.skip :])
         if key not in self.seen:
+            if _counters:
+                _traced(getattr(self.fn, "__qualname__", "?"), key)
             if len(self.seen) >= self.limit:
                 self.compiled, self.seen = None, set()  # the old traces go with the old function
                 self.compiled = mx.compile(self.fn)
             self.seen.add(key)
         return self.compiled(*args)
+
+
+def small(fn: Callable) -> Bounded:
+    """`Bounded` for a function of a few ops (masks, bookkeeping), whose traces cost little to keep:
+    room for every batch size, draft length and buffer size a long run meets."""
+    return Bounded(fn, limit=512)
 
 
 def signature(tree: Any) -> Any:

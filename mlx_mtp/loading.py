@@ -97,15 +97,20 @@ def apply_quantization(model: nn.Module, record: dict[str, Any], module=None, pr
     """Swap in quantized layers as a `quantization` record describes.
 
     The record holds defaults (`group_size`, `bits`, `mode`) and per-path overrides (a dict,
-    or `false` for a layer left unquantized). Paths may use HF / mlx-lm names.
+    or `false` for a layer left unquantized). Paths may use HF / mlx-lm names, and name the parts of
+    a projection the model keeps joined (q/k/v, gate/up: `gemma4.join`).
     """
     rename = getattr(module, "rename", None) or (lambda k: k)
+    joined = getattr(module, "joined_name", None) or (lambda k: k)  # projections the model keeps joined
     overrides = {}
     for key, value in record.items():
         if isinstance(value, (dict, bool)):
             name = rename(key + ".weight")
-            if name is not None:
-                overrides[name[: -len(".weight")]] = value
+            if name is None:
+                continue
+            path = joined(name[: -len(".weight")])
+            if overrides.setdefault(path, value) != value:
+                raise ConfigError(f"quantization record: the parts of {path} are quantized differently")
 
     def predicate(path: str, layer: nn.Module):
         if path in overrides:
@@ -156,6 +161,9 @@ def model_from_weights(config: dict[str, Any], weights: dict[str, mx.array], dty
     `load_model` builds it from files; the model holds the arrays given, without copies."""
     module = model_module(config["model_type"])
     model = module.Model(module.Config.from_dict(config))
+    if dtype is not None:  # matrices cast before `sanitize` joins projections: not both widths at once
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.ndim > 1 else v
+                   for k, v in weights.items()}
     weights = model.sanitize(weights)
     if "quantization" in config:
         apply_quantization(model, config["quantization"], module, present=weights)

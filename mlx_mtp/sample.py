@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 # Purposes of a random number at one position (streams of the counter-based generator).
@@ -174,8 +175,8 @@ def greedy_accept(drafts: mx.array, target_argmax: mx.array, limit: Optional[mx.
         (n, next): (B,) accepted drafts and the target's token at n.
     """
     k = drafts.shape[-1]
-    if k == 0:  # a plain step
-        return mx.zeros(drafts.shape[:1], dtype=mx.int32), target_argmax[:, 0].astype(mx.int32)
+    if k == 0:  # a plain step (no draft accepted: a constant, not a graph node)
+        return mx.array(np.zeros(drafts.shape[:1], dtype=np.int32)), target_argmax[:, 0].astype(mx.int32)
     n = _prefix_len(_limit(drafts == target_argmax[:, :k], limit))
     return n, mx.take_along_axis(target_argmax, n[:, None], axis=-1)[:, 0].astype(mx.int32)
 

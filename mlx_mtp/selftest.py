@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import __version__, jit, memory, mlx_build
+from . import __version__, jit, memory, mlx_build, primitives
 from .batch import BatchGenerator
 from .cli import prog_name
 from .drafters import MTPProposer
@@ -77,6 +77,7 @@ class Outcome:
     batch: Optional[bool] = None  # ragged batch: every row == its plain tokens
     plain: Optional[Stats] = None
     mtp: Optional[Stats] = None
+    nodes: Optional[tuple] = None  # primitives of a plain step and of a K=3 round (`primitives.summary`)
     error: Optional[str] = None
 
     @property
@@ -128,6 +129,7 @@ def check(pair: Pair) -> Outcome:
             outcome.batch = ragged_batch(loaded, prompt, truth)
             outcome.plain = Stats()  # timed now that every shape has run once
             outcome.single &= plain(loaded, prompt, TOKENS, outcome.plain) == truth
+        outcome.nodes = primitives.summary(loaded.target, loaded.drafter, 1, K)
     except Exception as e:  # a failing kernel, a missing file: report it and go on to the next pair
         outcome.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return outcome
@@ -257,12 +259,22 @@ def row(o: Outcome) -> str:
     return COLUMNS.format(o.name, logits, mark(o.single), mark(o.batch), *timing).rstrip()
 
 
+def graph(outcomes: list[Outcome]) -> list[str]:
+    """Primitives per plain step and per K=3 round of each pair, on this device's path (a line)."""
+    counted = [o for o in outcomes if o.nodes is not None and o.nodes[1]]
+    if not counted:
+        return []
+    cells = ", ".join(f"{o.name} {o.nodes[0]} / {o.nodes[1]} ({o.nodes[1] / o.nodes[0]:.2f}x)" for o in counted)
+    return [f"graph:   primitives of a plain step / a K={K} round, B=1, {primitives.device_path()} path: {cells}"]
+
+
 def report(outcomes: list[Outcome], forced: Optional[bool], seconds: float) -> str:
     lines = header(forced) + [
         "",
         TITLES,
         *[row(o) for o in outcomes],
         "",
+        *graph(outcomes),
         *ran(),
         memory.usage_line(),
     ]

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .jit import Bounded
+from .jit import Bounded, small
 from .models.base import TargetModel, TargetOutput
 from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, greedy_accept, params_key,
                      rejection_accept, uniform)
@@ -111,7 +111,9 @@ def pad(drafts: Drafts, k: int) -> Drafts:
 
 def verify(target: TargetModel, cache: KVCache, state: BatchState, drafts: Drafts) -> TargetOutput:
     """One target forward over [last token, d_1..d_K] for every row."""
-    inputs = mx.concatenate([state.tokens[:, None].astype(mx.int32), drafts.tokens], axis=1)
+    inputs = state.tokens[:, None].astype(mx.int32)
+    if drafts.tokens.shape[1]:  # (a plain step's forward takes the token alone: no concatenation node)
+        inputs = mx.concatenate([inputs, drafts.tokens], axis=1)
     return target(inputs, cache)
 
 
@@ -131,7 +133,7 @@ def accept(drafts: Drafts, out: TargetOutput, plan: Plan, limit: mx.array, seeds
     return _sampled(drafts.tokens, drafts.q, out.logits, limit, seeds, base, params_key(plan.params))
 
 
-@mx.compile
+@small
 def _greedy(drafts: mx.array, logits: mx.array, limit: Optional[mx.array]):
     return greedy_accept(drafts, mx.argmax(logits, axis=-1), limit)
 
@@ -155,15 +157,23 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
     j = mx.arange(k + 1, dtype=mx.int32)[None]
     if k:
         cache.rollback_to(base + n + 1)  # keeps the row's last token and its n accepted drafts
-        padded = mx.concatenate([drafts.tokens, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
-        emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
-        hidden = mx.take_along_axis(out.hidden, n[:, None, None], axis=1)[:, 0]
+        emitted, hidden = _emitted(drafts.tokens, n, nxt, out.hidden)
     else:  # a plain step: nothing to roll back or pick
         emitted, hidden = nxt[:, None], out.hidden[:, 0]
     history = state.history
     if history is not None:  # positions past the new token get -1 (or are rewritten later)
         history = mx.put_along_axis(history, base[:, None] + 1 + j, emitted, axis=1)
     return BatchState(nxt, hidden, state.seeds, history), RoundOutput(emitted, n, limit)
+
+
+@small  # one kernel for the bookkeeping, not a node per small op
+def _emitted(drafts: mx.array, n: mx.array, nxt: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+    """(B, K+1) the accepted drafts, the next token, then -1; and the hidden state that predicted it."""
+    B, k = drafts.shape
+    j = mx.arange(k + 1, dtype=mx.int32)[None]
+    padded = mx.concatenate([drafts, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
+    emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
+    return emitted, mx.take_along_axis(hidden, n[:, None, None], axis=1)[:, 0]
 
 
 def here(decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:

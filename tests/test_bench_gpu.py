@@ -158,8 +158,8 @@ def test_warming_runs_prefill_decode_and_every_verify_at_each_batch_size(capsys)
     argv = ["--warm", str(TINY / "moe" / "target"), "--drafter", str(TINY / "moe" / "drafter"), "--batches", "1-2"]
     assert selftest.main(argv) == 0
     out = capsys.readouterr().out
-    assert "B=2: plain steps and verifies of K = 1..6 run" in out
-    assert re.search(r"warmed .*: 15 runs, \d+ kernels compiled, \d+ s", out)  # 1 + 2 x (K = 0..6)
+    assert "B=2: plain steps and verifies of K = 1..6 run, and in turn" in out
+    assert re.search(r"warmed .*: 17 runs, \d+ kernels compiled, \d+ s", out)  # 1 + 2 x (K = 0..6, a cycle)
 
 
 @pytest.mark.skipif(mx.cuda.is_available(), reason="on a GPU the kernels run as they are")

@@ -19,5 +19,5 @@ def test_mid_pair_shape_and_seed_determinism():
     small = dict(pairs.MID_TARGET, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                  layer_types=pairs.MID_TARGET["layer_types"][:6], vocab_size=256)
     a, b, c = pairs.build(small, 3), pairs.build(small, 3), pairs.build(small, 4)
-    wa, wb, wc = (m.model.layers[0].mlp.up_proj.weight for m in (a, b, c))
+    wa, wb, wc = (m.model.layers[0].mlp.gate_up_proj.weight for m in (a, b, c))
     assert mx.array_equal(wa, wb) and not mx.array_equal(wa, wc)

@@ -213,10 +213,10 @@ def test_e2b_geometry():
     assert c.hidden_size_per_layer_input == 256 and c.final_logit_softcapping == 30.0
 
     layers = built(E2B).model.layers
-    assert layers[14].mlp.gate_proj.weight.shape == (6144, 1536)
-    assert layers[15].mlp.gate_proj.weight.shape == (12288, 1536)  # double-wide in shared layers
-    assert "k_proj" in layers[14].self_attn and "k_proj" not in layers[15].self_attn
-    assert layers[14].self_attn.k_proj.weight.shape == (512, 1536)
+    assert layers[14].mlp.gate_up_proj.weight.shape == (2 * 6144, 1536)  # gate and up joined at load
+    assert layers[15].mlp.gate_up_proj.weight.shape == (2 * 12288, 1536)  # double-wide in shared layers
+    assert layers[14].self_attn.heads == (8, 1, 1) and layers[15].self_attn.heads == (8, 0, 0)  # q, k, v heads
+    assert layers[14].self_attn.qkv_proj.weight.shape == ((8 + 1 + 1) * 512, 1536)  # a full layer: head_dim 512
     assert built(E2B).model.embed_tokens_per_layer.weight.shape == (262144, 35 * 256)
 
 
@@ -239,9 +239,9 @@ def test_26b_a4b_geometry():
     assert c.sliding_window == 1024
 
     layer = built(MOE).model.layers[5]
-    assert "v_proj" not in layer.self_attn  # k_eq_v: V is the raw k_proj output
-    assert "v_proj" in built(MOE).model.layers[4].self_attn
-    assert layer.self_attn.k_proj.weight.shape == (2 * 512, 2816)
+    assert layer.self_attn.heads == (16, 2, 0)  # k_eq_v: V is the raw k_proj output
+    assert built(MOE).model.layers[4].self_attn.heads == (16, 8, 8)
+    assert layer.self_attn.qkv_proj.weight.shape == (16 * 512 + 2 * 512, 2816)
     glu = layer.experts.switch_glu
     assert glu.gate_proj.weight.shape == glu.up_proj.weight.shape == (128, 704, 2816)
     assert glu.down_proj.weight.shape == (128, 2816, 704)
@@ -257,8 +257,8 @@ def test_31b_geometry():
     assert c.attention_k_eq_v and not c.enable_moe_block and c.moe_intermediate_size is None
     # Checkpoint shapes (shared SOURCES.md section 13).
     sliding, full = built(DENSE).model.layers[0].self_attn, built(DENSE).model.layers[5].self_attn
-    assert sliding.q_proj.weight.shape == (8192, 5376) and full.q_proj.weight.shape == (16384, 5376)
-    assert sliding.k_proj.weight.shape == (4096, 5376) and full.k_proj.weight.shape == (2048, 5376)
+    # q_proj (8192 | 16384 rows), k_proj (4096 | 2048), v_proj (4096 | none: k_eq_v), joined at load
+    assert sliding.qkv_proj.weight.shape == (8192 + 2 * 4096, 5376) and full.qkv_proj.weight.shape == (16384 + 2048, 5376)
 
 
 def test_assistant_geometry():
@@ -272,7 +272,7 @@ def test_assistant_geometry():
     model = built(E2B_ASSISTANT)
     assert model.masked_embedding.token_ordering.shape == (262144,)
     assert model.pre_projection.weight.shape == (256, 2 * 1536)
-    assert "k_proj" not in model.model.layers[0].self_attn
+    assert model.model.layers[0].self_attn.heads[1:] == (0, 0)  # no K/V of its own
 
 
 # ---- shape-only builds: cheap, and the published parameter counts ------------------------
@@ -494,9 +494,9 @@ def test_26b_record_puts_mlp_and_router_at_8_bits(name):
     assert _unquantized_layers(model) == []
     for i in (0, 5, 29):
         layer = model.model.layers[i]
-        for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.router.proj):
+        for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.router.proj):
             assert _quantized(m) == (8, 64, "affine")
-        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj,
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                   layer.experts.switch_glu.gate_proj, layer.experts.switch_glu.down_proj):
             assert _quantized(m) == (4, 64, "affine")
     assert _quantized(model.model.embed_tokens) == (4, 64, "affine")
@@ -508,7 +508,7 @@ def test_e2b_e4b_records_are_uniform_4_bit(name):
     model = built(name)
     assert _unquantized_layers(model) == []
     layer = model.model.layers[0]
-    for m in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.per_layer_input_gate,
+    for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.per_layer_input_gate,
               model.model.embed_tokens, model.model.embed_tokens_per_layer,
               model.model.per_layer_model_projection):
         assert _quantized(m) == (4, 64, "affine")

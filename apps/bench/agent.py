@@ -253,10 +253,11 @@ def mid_checkpoint(context: int, log, seed: int = 0) -> tuple[Path, Path, str]:
 
 def _write(path: Path, config: dict, model) -> None:
     import mlx.core as mx
-    from mlx.utils import tree_flatten
+
+    from mlx_mtp.models.layout import checkpoint_weights
 
     path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(path / "model.safetensors"), checkpoint_weights(model))
     (path / "config.json").write_text(json.dumps(config, indent=1))
 
 

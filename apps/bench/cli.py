@@ -1,5 +1,5 @@
 """Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize,gpu,kernels,learn,prefill} [options]`
+structured,mixed,realsize,gpu,kernels,learn,prefill,primitives} [options]`
 (speed by default).
 
 Every mode takes `--regime {stock,mkl}` (see regime.py); it is set up before mlx is
@@ -34,6 +34,7 @@ MODES = {
     "kernels": ("kernels", "run_kernels"),
     "learn": ("learn", "run_learn"),
     "prefill": ("prefill", "run_prefill"),
+    "primitives": ("primitives", "run_primitives"),
 }
 
 
@@ -302,6 +303,15 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill_tokens of each configuration (the first is the baseline; under --chunk: one "
                         "row at a time)")
     f.set_defaults(repeats=3)
+
+    c = sub.add_parser("primitives", help="graph nodes per layer and per step of a plain step and a K-draft round, "
+                                          "per path (cpu, metal, cuda), counted without evaluating (issue 42)")
+    common(c, "primitives")
+    c.add_argument("--shapes", default="demo,31b,26b-a4b,e4b", help="demo and released shapes (comma list)")
+    c.add_argument("--paths", default="cpu,metal,cuda", help="cpu | metal | cuda (comma list)")
+    c.add_argument("--batch", default="1,4,8", help="rows (comma list)")
+    c.add_argument("--k", type=int, default=3, help="draft length of the counted round")
+    c.set_defaults(repeats=1)
     return ap
 
 

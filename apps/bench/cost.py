@@ -112,7 +112,7 @@ def time_layers(cfg, index, copies, sizes, context, repeats, bits, log):
     ctx = min(context, window) if window else context
     P = cfg.hidden_size_per_layer_input
     out = {}
-    own = "k_proj" in attn  # computes K/V (else reads the producer's, new tokens included)
+    own = attn.heads[1] > 0  # computes K/V (else reads the producer's, new tokens included)
     for T in sizes:
         kv_shape = (1, attn.n_kv, ctx + (0 if own else T), attn.head_dim)
         ck, cv = mx.random.normal(kv_shape), mx.random.normal(kv_shape)

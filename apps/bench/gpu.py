@@ -34,6 +34,8 @@ from mlx.utils import tree_flatten
 from mlx_mtp import jit, kernels
 from mlx_mtp.drafters import MTPProposer
 from mlx_mtp.memory import BACKENDS, Device, nbytes
+from mlx_mtp.speculative import K_MAX
+from mlx_mtp.warm import Cycle, cycling
 from mlx_mtp.models import gemma4
 
 from . import inmemory, peers
@@ -140,17 +142,26 @@ def oracle_run(target, drafter, prompts: list, truths: list, k, p: float, n: int
     run every round; a warm-up run first, on the same generator (so `auto` starts from what it
     measured); against plain decoding of the same rows."""
     oracle = RowsOracle(truths, [len(x) for x in prompts], target.vocab_size, p, MTPProposer(drafter, target))
+    if k == "auto":  # every draft length auto may pick, in every order, built first: no compile when timed
+        for fixed in [*range(K_MAX + 1), Cycle()]:
+            warm = JoinTogether(target, oracle, draft_tokens=fixed if isinstance(fixed, int) else "auto")
+            if isinstance(fixed, Cycle):
+                cycling(warm, fixed)
+            oracle.start(warm, seed=1)
+            decode_run(warm, prompts, min(n, 4 * (K_MAX + 1)))
     gen = JoinTogether(target, oracle, draft_tokens=k)
     oracle.start(gen, seed=1)
     decode_run(gen, prompts, min(n, 12))
     oracle.start(gen, seed=0)
-    run = decode_run(gen, prompts, n)
+    with jit.counting() as traced:
+        run = decode_run(gen, prompts, n)
     same = all(got == want[:n] for got, want in zip(run["tokens"], truths))
     tok_s = run["decoded"] / run["seconds"]
     return dict(tok_s=tok_s, speedup=tok_s / plain["mean_tok_s"], rounds=run["steps"],
                 round_in_plain_steps=median(run["step_seconds"]) / plain["step_s"],
                 tokens_per_row_round=run["decoded"] / (len(prompts) * run["steps"]),
-                expected_tokens=expected_tokens(p, k) if k != "auto" else None, equals_plain=same)
+                expected_tokens=expected_tokens(p, k) if k != "auto" else None, equals_plain=same,
+                traces_timed=traced.count)
 
 
 # ---- stages --------------------------------------------------------------------------------------------

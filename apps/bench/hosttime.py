@@ -26,9 +26,6 @@ what the round costs with every other node free.
 
 from __future__ import annotations
 
-import collections
-import io
-import re
 import time
 
 import mlx.core as mx
@@ -37,6 +34,7 @@ import mlx.nn as nn
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load
+from mlx_mtp.primitives import VIEWS, node_kinds
 from mlx_mtp.sample import SamplingParams
 from mlx_mtp.speculative import K_MAX, Plan, run_round
 
@@ -46,16 +44,6 @@ from .report import checked, fmt, section, table
 from .speed import pair_dirs, quantization_label
 
 WARMUP_ROUNDS = 5
-
-
-VIEWS = {"Reshape", "Transpose", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Flatten", "Unflatten", "AsStrided"}
-
-
-def node_kinds(*arrays: mx.array) -> collections.Counter:
-    """Primitive nodes in the unevaluated graph behind `arrays` (mx.export_to_dot), by name."""
-    out = io.StringIO()
-    mx.export_to_dot(out, *[a for a in arrays if a is not None])
-    return collections.Counter(re.findall(r'label ="(\w+)", shape=rectangle', out.getvalue()))
 
 
 def graph_nodes(*arrays: mx.array) -> int:

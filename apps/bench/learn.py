@@ -75,11 +75,10 @@ def tuned_target(folder: Path, steps: int, log) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
-
     from mlx_mtp import distill, learn
     from mlx_mtp.demo import TARGET_DIR, load_demo
     from mlx_mtp.loading import load_model
+    from mlx_mtp.models.layout import checkpoint_weights
 
     out = folder / "target"
     if (out / "model.safetensors").exists():
@@ -103,7 +102,7 @@ def tuned_target(folder: Path, steps: int, log) -> Path:
     temp = folder / "target.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     shutil.copytree(TARGET_DIR, temp, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    mx.save_safetensors(str(temp / "model.safetensors"), dict(tree_flatten(target.parameters())))
+    mx.save_safetensors(str(temp / "model.safetensors"), checkpoint_weights(target))
     temp.rename(out)
     return out
 

@@ -97,7 +97,8 @@ def speed_table(rows: list) -> str:
 RENDER = {"experts": "experts", "cost": "cost", "stepcost": "stepcost", "oracle": "oracle", "engine": "engine",
           "ttft": "ttft", "lookup": "lookup", "hosttime": "hosttime", "pipeline": "pipeline", "agent": "agent",
           "mixed": "mixed", "structured": "structured", "realsize": "realsize", "gpu": "gpu",
-          "prefill": "prefill", "kernels": "kernels", "learn": "learn"}
+          "prefill": "prefill", "kernels": "kernels", "learn": "learn",
+          "primitives": "primitives"}
 
 
 def header(res: dict) -> list[str]:

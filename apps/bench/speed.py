@@ -22,10 +22,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp import jit
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load
+from mlx_mtp.speculative import K_MAX
 from mlx_mtp.stats import Stats
+from mlx_mtp.warm import every_length
 
 from .env import median, peak_mb, reset_peak
 from .prompts import prompt_sets
@@ -223,6 +226,18 @@ class Case:
     note: str = ""
     runs: list = dataclasses.field(default_factory=list)
     tokens: Optional[list] = None  # from the warm-up
+    traces: int = 0  # new compiled traces in its timed runs (0 after a complete warm-up)
+
+
+def warm_lengths(loaded, sets: dict, batches: list, singles: int, n: int, log) -> None:
+    """Every shape `auto` may meet built on each case's prompts before anything is timed (issue 42: auto
+    measured 0.09x plain on a GPU, compiling mid-run): each fixed draft length, then plain steps and
+    drafted rounds in turn (`warm.every_length`)."""
+    for prompts in sets.values():
+        for B in batches:
+            for group in ([[p] for p in prompts[:singles]] if B == 1 else [prompts[:B]]):
+                every_length(group, loaded, n)
+    log(f"warmed draft lengths 0..{K_MAX} and their orders at B = {', '.join(map(str, batches))}")
 
 
 def parse_ks(text: str) -> list:
@@ -306,9 +321,13 @@ def run_speed(args, log=print) -> dict:
     started = time.perf_counter()
     for c in cases:  # warm-up of every path (compiles, allocations), and the outputs
         c.tokens = c.fn().tokens
+    if "auto" in ks:  # every draft length `auto` may pick, at every B, built before anything is timed
+        warm_lengths(loaded, sets, batches, singles, n, log)
     for r in range(args.repeats):
         for c in cases:
-            c.runs.append(c.fn())
+            with jit.counting() as traced:
+                c.runs.append(c.fn())
+            c.traces += traced.count
         log(f"repeat {r + 1}/{args.repeats} done ({time.perf_counter() - started:.0f} s)")
 
     index = {(c.prompt_class, c.batch, c.mode): c for c in cases}
@@ -346,9 +365,12 @@ def run_speed(args, log=print) -> dict:
             tokens_per_forward=total / max(median([r.forwards for r in c.runs]) + rows_n, 1)
             if c.mode.startswith("ours") else None,
             peak_mb=median([r.peak_mb for r in c.runs]),
-            same_as=c.reference, same_output=same, first_divergence=first_diff,
+            same_as=c.reference, same_output=same, first_divergence=first_diff, traces_timed=c.traces,
         ))
     shutil.rmtree(tmp, ignore_errors=True)
+    traced = {f"{c.prompt_class} B={c.batch} {c.mode}": c.traces for c in cases if c.traces}
+    notes.append("new compiled traces during the timed runs: " + (
+        ", ".join(f"{name}: {count}" for name, count in traced.items()) if traced else "none"))
     return dict(
         mode="speed", pair=pair, model=str(model_dir), drafter=str(drafter_dir),
         quantization=quantization_label(model_dir, loaded.target),

@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from mlx_mtp.generate import generate_tokens
 from mlx_mtp.loading import load
+from mlx_mtp.models.layout import checkpoint_weights
 
 from .env import median
 from .pairs import ROOT, build, n_params
@@ -68,7 +67,7 @@ def e2b_checkpoint(hidden: int, seed: int = 0, log=print) -> Path:
     model = build(config, seed)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp / "model.safetensors"), checkpoint_weights(model))
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     os.replace(tmp, path)
     return path

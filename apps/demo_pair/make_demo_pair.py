@@ -60,13 +60,12 @@ def own_convert(hf_dir: Path, out: Path, dtype: str) -> None:
     import dataclasses
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     from mlx_mtp.loading import load_model
+    from mlx_mtp.models.layout import checkpoint_weights
 
     model, config, _ = load_model(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in checkpoint_weights(model).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if v is not None}
     cfg.update({"model_type": config["model_type"], "architectures": config.get("architectures")})

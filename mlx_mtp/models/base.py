@@ -112,7 +112,7 @@ class TargetModel(Protocol):
     def logits(self, hidden: mx.array) -> mx.array: ...
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """Scaled input embedding, (B, L) -> (B, L, H): the drafter's token input."""
+        """Scaled input embedding, (B, L) -> (B, L, H) (or (B,) -> (B, H)): the drafter's token input."""
         ...
 
 
@@ -183,6 +183,25 @@ def force_fused(on: Optional[bool]) -> Iterator[None]:
         _forced_fused = saved
 
 
+_graph_only = False  # set by `graph_only_block`
+
+
+def graph_only() -> bool:
+    """Whether forwards are being built only to be counted (`primitives.path`): `mx.fast` ops and
+    custom kernels stood in by one node each, so compiled traces are kept apart from real ones."""
+    return _graph_only
+
+
+@contextlib.contextmanager
+def graph_only_block() -> Iterator[None]:
+    global _graph_only
+    saved, _graph_only = _graph_only, True
+    try:
+        yield
+    finally:
+        _graph_only = saved
+
+
 MAX_STREAMS = 8
 _forced_streams: Optional[int] = None  # set by `using_streams`
 
@@ -216,8 +235,8 @@ def compiled(method: Callable) -> Callable:
     captured at the first trace, so weights loaded or changed later are the ones used; and the
     trace runs on a copy of the module's structure holding the tracers, so the module itself never
     holds one (another thread may be running it). Whether `mx.fast` kernels are used and how many
-    CPU streams quantized work is spread over, and whether mlx_mtp's GPU kernels are on, are part of
-    the key. Compiled functions are per
+    CPU streams quantized work is spread over, whether mlx_mtp's GPU kernels are on (and on CUDA),
+    and whether the graph is only counted (`graph_only`), are part of the key. Compiled functions are per
     module object and per thread (MLX keeps traces per thread), their traces bounded in number
     (`jit.Bounded`).
     """
@@ -231,14 +250,37 @@ def compiled(method: Callable) -> Callable:
         fn = mine.get(method)
         if fn is None:
             fn = mine[method] = _compile(method, weakref.ref(self))
-        return fn(self, (fused_kernels(), cpu_stream_count(), kernels.mode()), *args)
+        backend = (fused_kernels(), cpu_stream_count(), kernels.mode(), kernels.dispatch.cuda(), _graph_only)
+        return fn(self, mine.transposed(self), backend, *args)
 
     return call
 
 
 class _Compiled(dict):
-    """A module's compiled methods. A copy of the module compiles its own (these hold the
-    module they were made for)."""
+    """A module's compiled methods, and the transposed views of its unquantized product weights
+    (`transposed`). A copy of the module compiles its own (these hold the module they were made for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.readers: Optional[list] = None  # the modules that read a transposed weight, in tree order
+        self.views: list = []  # [(weight, its transpose, evaluated)] per reader
+
+    def transposed(self, module: nn.Module) -> list:
+        """The transposes of the readers' weights, evaluated views of them (no copy), made again for
+        a weight that changed: compile inputs, so a product reads W^T without a Transpose node. The
+        readers are found again where one was replaced (quantized, dropped by a pipeline stage)."""
+        if self.readers is None or any(parent[key] is not m for parent, key, m in self.readers):
+            self.readers = _readers(module)
+            self.views = [(None, None)] * len(self.readers)
+        out = []
+        for i, (_, _, m) in enumerate(self.readers):
+            w = m["weight"]
+            if self.views[i][0] is not w:
+                view = w.T
+                mx.eval(view)
+                self.views[i] = (w, view)
+            out.append(self.views[i][1])
+        return out
 
     def __copy__(self):
         return _Compiled()
@@ -247,11 +289,36 @@ class _Compiled(dict):
         return _Compiled()
 
 
-def _compile(method: Callable, module: weakref.ref) -> Callable:
-    def traced(arrays, backend, *args):  # arrays: the module's dict, as compile's tracers
-        return method(_holding(module(), arrays), *args)
+def _readers(module: nn.Module) -> list:
+    """(container, key, module) of each module of a tree whose product reads a transposed weight handed to
+    it (`reads_transpose`), in a fixed order (the same for a trace's copy of the tree)."""
+    out = []
 
-    return Bounded(traced, skip=1)  # refers to the module weakly: it holds this function
+    def walk(node) -> None:
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, nn.Module):
+                if getattr(type(value), "reads_transpose", False) and "weight" in value:
+                    out.append((node, key, value))
+                walk(value)
+            elif isinstance(value, (list, tuple, dict)):
+                walk(value)
+
+    walk(module)
+    return out
+
+
+def _compile(method: Callable, module: weakref.ref) -> Callable:
+    def traced(arrays, views, backend, *args):  # arrays: the module's dict, as compile's tracers
+        held = _holding(module(), arrays)
+        readers = _readers(held)
+        if len(readers) == len(views):  # (else a reader was added since: each transposes its own weight)
+            for (_, _, m), view in zip(readers, views):
+                object.__setattr__(m, "weight_t", view)  # an attribute of the trace's copy, not a parameter
+        return method(held, *args)
+
+    traced.__qualname__ = method.__qualname__  # what `jit.counting` names
+
+    return Bounded(traced, skip=2)  # refers to the module weakly: it holds this function
 
 
 def _holding(structure, arrays):
@@ -277,9 +344,11 @@ def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
 
 @mx.compile
 def _rms_norm(x: mx.array, eps: float) -> mx.array:
-    # As mx.fast.rms_norm computes it: in float32, then the input's dtype.
-    y = x.astype(mx.float32)
-    return (y * mx.rsqrt(mx.mean(mx.square(y), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    # As mx.fast.rms_norm computes it: in float32, then the input's dtype. The squares are of |x| (the
+    # same values): one cast of x per use, so that each fuses with its use (a cast read twice is a
+    # graph node of its own, and its square another).
+    squares = mx.square(mx.abs(x).astype(mx.float32))
+    return (x.astype(mx.float32) * mx.rsqrt(mx.mean(squares, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 @mx.compile

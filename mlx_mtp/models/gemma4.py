@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -20,8 +20,10 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from ..cache import FULL, SLIDING, KVCache, Ragged, Step
+from ..jit import small
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
+from .layout import JOINS, join, joined_name, keeping_parts, parts, unjoin  # noqa: F401 (the module's layout API)
 from .quantized import Embedding, Linear, forward_tokens, switch_glu
 
 
@@ -178,7 +180,7 @@ def rope_periods(params: dict, head_dim: int) -> np.ndarray:
 class Rope:
     """Rotary embedding of one layer type. GPUs get `mx.fast.rope`; elsewhere the cos/sin table
     of a forward's positions is built once per layer type (in the step's scratch), and a layer
-    rotates with one matmul by a signed permutation (exact) and one compiled elementwise
+    rotates with one gather of the swapped halves (signed: exact) and one compiled elementwise
     function, instead of splitting, casting and concatenating halves."""
 
     def __init__(self, params: dict, head_dim: int):
@@ -186,43 +188,57 @@ class Rope:
         self.dims, self.key = head_dim, ("rope", head_dim, tuple(periods))
         self.base = float(params.get("rope_theta", 10000.0)) if params.get("rope_type", "default") == "default" else None
         self.freqs = None if self.base is not None else mx.array(periods.astype(np.float32))
-        self.inverse = mx.array((1.0 / periods).astype(np.float32))
+        inverse = (1.0 / periods).astype(np.float32)
+        self.inverse = mx.array(np.concatenate([inverse, inverse]))  # each pair's angle in both its halves
 
     def __call__(self, x: mx.array, step: Step) -> mx.array:
         if fused_kernels():
             return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=step.offset,
                                 freqs=self.freqs)
-        return _rotate(x, *self.table(step), _half_turn(self.dims, x.dtype))
+        return _rotate(x, *self.table(step), _swap_index(self.dims, x.dtype, x.shape), _half_turn(self.dims, x.dtype)[1])
 
     def table(self, step: Step) -> tuple[mx.array, mx.array]:
         """(cos, sin) of `step`'s positions, (B, 1, L, D), each pair's angle in both its halves:
         made once per step and layer type."""
         table = step.scratch.get(self.key)
         if table is None:
-            angles = step.positions[:, None, :, None].astype(mx.float32) * self.inverse
-            angles = mx.concatenate([angles, angles], axis=-1)
-            table = step.scratch[self.key] = (mx.cos(angles), mx.sin(angles))
+            table = step.scratch[self.key] = _table(step.positions, self.inverse)
         return table
 
 
+@small
+def _table(positions: mx.array, inverse: mx.array) -> tuple[mx.array, mx.array]:
+    angles = positions[:, None, :, None].astype(mx.float32) * inverse
+    return mx.cos(angles), mx.sin(angles)
+
+
 @mx.compile
-def _rotate(x: mx.array, cos: mx.array, sin: mx.array, half_turn: mx.array) -> mx.array:
-    # rotate_half(x) = concat(-x2, x1) = x @ half_turn: one exact product per entry
-    return (x * cos + (x @ half_turn) * sin).astype(x.dtype)
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, swap: mx.array, sign: mx.array) -> mx.array:
+    # rotate_half(x) = concat(-x2, x1) = x[..., swap] * sign: exact, one gather per entry
+    return (x * cos + (mx.take_along_axis(x, swap, axis=-1) * sign) * sin).astype(x.dtype)
+
+
+@lru_cache(maxsize=256)
+def _swap_index(dims: int, dtype: mx.Dtype, shape: tuple) -> mx.array:
+    """`_half_turn`'s swap broadcast to x's shape, evaluated (a constant, even inside a trace): a
+    gather along the last axis with an index of x's own shape is one graph node."""
+    index = mx.broadcast_to(_half_turn(dims, dtype)[0], shape)  # a view: no memory
+    mx.eval(index)
+    return index
 
 
 _HALF_TURNS: dict = {}
 
 
-def _half_turn(dims: int, dtype: mx.Dtype) -> mx.array:
-    """(D, D) signed permutation with x @ it = concat(-x[D/2:], x[:D/2]), per size and dtype
-    (built on the host: an evaluated array, usable from any thread)."""
+def _half_turn(dims: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(swap, sign) with x[..., swap] * sign = concat(-x[D/2:], x[:D/2]), per size and dtype (built
+    on the host: evaluated arrays, usable from any thread)."""
     key = (dims, dtype)
     if key not in _HALF_TURNS:
-        half, m = dims // 2, np.zeros((dims, dims), dtype=np.float32)
-        m[np.arange(half) + half, np.arange(half)] = -1
-        m[np.arange(half), np.arange(half) + half] = 1
-        _HALF_TURNS[key] = mx.array(m, dtype=dtype)
+        half = dims // 2
+        swap = np.concatenate([np.arange(half, dims), np.arange(half)]).astype(np.int32)
+        sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32)
+        _HALF_TURNS[key] = (mx.array(swap), mx.array(sign, dtype=dtype))
     return _HALF_TURNS[key]
 
 
@@ -236,15 +252,14 @@ class Attention(nn.Module):
         self.n_kv = cfg.layer_kv_heads(i)
         self.k_eq_v = cfg.attention_k_eq_v and self.layer_type == FULL
         self.eps = cfg.rms_norm_eps
-        bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * hd, bias=bias)
+        own = i < cfg.first_shared_layer
+        # The joined projection's heads: q's, then k's and v's where the layer has them (`join`).
+        self.heads = (self.n_heads, self.n_kv if own else 0, self.n_kv if own and not self.k_eq_v else 0)
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.heads) * hd, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        if i < cfg.first_shared_layer:
-            self.k_proj = Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
-            if not self.k_eq_v:
-                self.v_proj = Linear(cfg.hidden_size, self.n_kv * hd, bias=bias)
+        if own:
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
     def __call__(self, x: mx.array, step: Union[Step, Ragged], shared_kv=None):
@@ -255,69 +270,109 @@ class Attention(nn.Module):
         if isinstance(step, Ragged):
             return self._ragged(x, step, shared_kv)
         B, L = step.positions.shape
-        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv)
-        return self.o_proj(out.reshape(B * L, self.n_heads * self.head_dim)), kv
+        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv, flat=L == 1)
+        if L > 1:  # (B, heads, L, D) -> the rows' tokens in order
+            out = out.transpose(0, 2, 1, 3).reshape(B * L, self.n_heads * self.head_dim)
+        return self.o_proj(out), kv
 
     def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
-        """Normalised q (and k, v unless the K/V are shared), (B, L, heads, head_dim), not rotated."""
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
+        """Normalised heads in attention's layout (B, heads, L, head_dim), not rotated: the ones to
+        rotate (q's and k's side by side on the CPU: one rotation; apart where mx.fast's rope runs)
+        and v (None where the K/V are shared). One product over the joined weight; one token per row
+        needs no transpose."""
+        nq, nk, nv = self.heads
+        y = self.qkv_proj(x)
+        heads = (y.reshape(B, nq + nk + nv, 1, self.head_dim) if L == 1
+                 else y.reshape(B, L, nq + nk + nv, self.head_dim).transpose(0, 2, 1, 3))
         if not own_kv:
-            return q, None, None
-        k = self.k_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        v = k if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv, self.head_dim)
-        return q, self.k_norm(k), rms_norm(v, None, self.eps)
+            return [self.q_norm(heads)], None
+        if fused_kernels():  # mx.fast's norm takes one weight: a norm per projection
+            q, k, v = mx.split(heads, [nq, nq + nk], axis=1)
+            return [self.q_norm(q), self.k_norm(k)], rms_norm(k if self.k_eq_v else v, None, self.eps)
+        # One norm for every head, each head's weight picked elementwise (1 for v: no weight).
+        weights = _head_weights(self.heads, self.q_norm.weight, self.k_norm.weight)
+        if self.k_eq_v:  # V is the raw K, normalised without weight
+            normed = rms_norm(heads, None, self.eps)
+            return [normed * weights], normed[:, nq:]
+        qk, v = mx.split(rms_norm(heads, weights, self.eps), [nq + nk], axis=1)
+        return [qk], v
 
-    def _attend(self, q: mx.array, k: Optional[mx.array], v: Optional[mx.array], step: Step,
-                shared_kv) -> tuple:
-        """Rotate, store the K/V in the cache and attend: (B, L, heads, head_dim) and the kv."""
-        q = self.rope(q.transpose(0, 2, 1, 3), step)
+    def _attend(self, parts: list, v: Optional[mx.array], step: Step, shared_kv, flat: bool = False) -> tuple:
+        """Rotate q and k, store the K/V in the cache and attend: (B, heads, L, head_dim), or with one
+        token per row and `flat` (B, heads * head_dim), and the kv."""
+        rotated = [self.rope(p, step) for p in parts]
+        q = rotated[0]
         if shared_kv is None:
-            k = self.rope(k.transpose(0, 2, 1, 3), step)
-            shared_kv = step.store(self.index, k, v.transpose(0, 2, 1, 3))
-        return attention(q, *shared_kv, step.masks[self.layer_type]).transpose(0, 2, 1, 3), shared_kv
+            q, k = rotated if len(rotated) == 2 else mx.split(q, [self.n_heads], axis=1)
+            shared_kv = step.store(self.index, k, v)
+        return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch, flat), shared_kv
 
     def _ragged(self, x: mx.array, ragged: Ragged, shared: Optional[list]) -> tuple:
         """Projections over every row's tokens at once; attention row by row (its own cache's slots,
         masks and RoPE offsets, the shapes of its own forward)."""
-        q, k, v = self._project(x, 1, x.shape[0], shared is None)
+        parts, v = self._project(x, 1, x.shape[0], shared is None)
         outs, kvs = [], []
         for i, (step, (a, b)) in enumerate(zip(ragged.steps, ragged.bounds)):
-            mine = [None if t is None else t[:, a:b] for t in (q, k, v)]
+            mine = [t[:, :, a:b] for t in parts], None if v is None else v[:, :, a:b]
             out, kv = self._attend(*mine, step, None if shared is None else shared[i])
-            outs.append(out)
+            outs.append(out.transpose(0, 2, 1, 3))
             kvs.append(kv)
         out = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim)), kvs
 
 
-def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:
-    """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T).
+_HEAD_INDEX: dict = {}
+
+
+def _head_weights(heads: tuple, q_weight: mx.array, k_weight: mx.array) -> mx.array:
+    """(heads, 1, head_dim) norm weights of a joined projection's heads: q's weight on q's heads, k's on
+    k's, 1 on v's; picked elementwise (fused into the norm) by a head index built on the host."""
+    nq, nk, nv = heads
+    if heads not in _HEAD_INDEX:  # (heads, 1, 1): heads lie on axis 1 of (B, heads, L, head_dim)
+        _HEAD_INDEX[heads] = mx.array(np.arange(nq + nk + nv, dtype=np.int32)[:, None, None])
+    index = _HEAD_INDEX[heads]
+    w = mx.where(index < nq, q_weight, k_weight)
+    return mx.where(index < nq + nk, w, 1.0) if nv else w
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
+              scratch: Optional[dict] = None, flat: bool = False) -> mx.array:
+    """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T):
+    (B, n, L, D), or (B, n * D) with `flat` (one query per row: the same order, one reshape).
     GPUs run `mx.fast`'s kernel (or, on NVIDIA GPUs, decode and verify steps mlx_mtp's: `kernels`);
     elsewhere (where that kernel is split into many ops) the heads sharing a K/V head attend as one
-    matrix, with no broadcast copies of the K/V."""
+    matrix, with no broadcast copies of the K/V; the mask repeated for a group's heads is made once
+    per forward where `scratch` (the step's) is given."""
     if fused_kernels():
         out = kernels.attention(q, keys, values, mask)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
+        return out.reshape(q.shape[0], -1) if flat else out
     B, n, L, D = q.shape
     n_kv, T = keys.shape[1], keys.shape[2]
     rows = n // n_kv * L
     scores = q.reshape(B, n_kv, rows, D) @ keys.swapaxes(-1, -2)  # (B, n_kv, heads per K/V head * L, T)
     if mask is not None:
         if rows != L:  # the same mask for every head of a group
-            mask = mx.broadcast_to(mask[:, :, None], (B, 1, n // n_kv, L, T)).reshape(B, 1, rows, T)
+            key = ("group mask", id(mask), rows)
+            grouped = None if scratch is None else scratch.get(key)
+            if grouped is None:
+                grouped = mx.broadcast_to(mask[:, :, None], (B, 1, n // n_kv, L, T)).reshape(B, 1, rows, T)
+                if scratch is not None:
+                    scratch[key] = grouped
+            mask = grouped
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(B, n, L, D)
+    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(*((B, n * D) if flat else (B, n, L, D)))
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)  # gate's rows, then up's (`join`)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(gelu_tanh_glu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(gelu_tanh_glu(gate, up))
 
 
 # Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
@@ -473,9 +528,11 @@ class TextModel(nn.Module):
 
     def _layers(self, layers: range, x: mx.array, step, ple: Optional[mx.array], kvs: dict) -> tuple:
         """Run `layers` on x; `kvs`: the K/V of the layers KV-shared layers read, kept as they run."""
+        if ple is not None:  # each layer's (N, P) signal: one split, not a slice and a squeeze per layer
+            ple = mx.split(ple.reshape(ple.shape[0], -1), self.cfg.num_hidden_layers, axis=-1)
         for i in layers:
             src = self.cfg.kv_source(i)
-            x, kv = self.layers[i](x, step, kvs.get(src), ple[:, i] if ple is not None else None)
+            x, kv = self.layers[i](x, step, kvs.get(src), ple[i] if ple is not None else None)
             if src == i and i in self.sources:
                 kvs[i] = kv
         return x, kvs
@@ -643,14 +700,14 @@ class Model(nn.Module):
             if key == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             out[key] = value
-        return out
+        return join(out)
 
     def quant_predicate(self, path: str, module: nn.Module):
         """Default recipe: the MoE router, and the MoE layers' small always-on dense MLP, stay
         at 8 bits (as mlx-community's 26B-A4B conversion); norms and scalars are not modules."""
         if path.endswith("router.proj"):
             return {"group_size": 64, "bits": 8}
-        if self.config.enable_moe_block and re.search(r"layers\.\d+\.mlp\.(gate|up|down)_proj$", path):
+        if self.config.enable_moe_block and re.search(r"layers\.\d+\.mlp\.(gate_up|gate|up|down)_proj$", path):
             return {"group_size": 64, "bits": 8}
         return True
 

@@ -16,8 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import FULL, SLIDING, Step
+from ..jit import small
 from . import gemma4
 from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel, compiled, fused_kernels
+from .quantized import Embedding, Linear
 
 
 @dataclasses.dataclass
@@ -46,12 +48,16 @@ class Config(BaseConfig):
             raise ConfigError(f"vocab_size {t.vocab_size} not divisible by num_centroids {self.num_centroids}")
 
 
+# The checkpoint's layout of the joined projections (loading, convert): as the target's.
+joined_name, parts, unjoin, keeping_parts = gemma4.joined_name, gemma4.parts, gemma4.unjoin, gemma4.keeping_parts
+
+
 class MaskedEmbedder(nn.Module):
     """Centroid-routed sparse LM head: only the tokens of the top-k clusters get logits."""
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.centroids = nn.Linear(cfg.text.hidden_size, cfg.num_centroids, bias=False)
+        self.centroids = Linear(cfg.text.hidden_size, cfg.num_centroids, bias=False)
         self.token_ordering = mx.zeros((cfg.text.vocab_size,), dtype=mx.int32)
         self.freeze(keys=["token_ordering"], recurse=False)  # an index table, never trained
         self.top_k = cfg.centroid_intermediate_top_k
@@ -75,8 +81,8 @@ class Model(nn.Module):
         self.config = cfg
         t = cfg.text
         self.model = _DraftBody(t)
-        self.pre_projection = nn.Linear(2 * cfg.backbone_hidden_size, t.hidden_size, bias=False)
-        self.post_projection = nn.Linear(t.hidden_size, cfg.backbone_hidden_size, bias=False)
+        self.pre_projection = Linear(2 * cfg.backbone_hidden_size, t.hidden_size, bias=False)
+        self.post_projection = Linear(t.hidden_size, cfg.backbone_hidden_size, bias=False)
         if cfg.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(cfg)
 
@@ -153,7 +159,7 @@ class Model(nn.Module):
             if key.endswith("token_ordering"):
                 value = value.astype(mx.int32)
             out[key] = value
-        return out
+        return gemma4.join(out)
 
     @staticmethod
     def quant_predicate(path: str, module: nn.Module):
@@ -166,7 +172,7 @@ class _DraftBody(nn.Module):
     def __init__(self, t: gemma4.Config):
         super().__init__()
         self.cfg = t
-        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)  # only the tied LM head
+        self.embed_tokens = Embedding(t.vocab_size, t.hidden_size)  # only the tied LM head
         self.layers = [gemma4.DecoderLayer(t, i) for i in range(t.num_hidden_layers)]
         self.norm = gemma4.RMSNorm(t.hidden_size, t.rms_norm_eps)
 
@@ -181,9 +187,14 @@ class _DraftBody(nn.Module):
         """(B, 1, T, T_kv) for queries at `positions` (B, T): full sees every position < p;
         sliding the last W + 1 of them (transformers' flipped bidirectional window, checked
         against its outputs)."""
-        k, p = kpos[:, None, :], positions[:, :, None]
-        visible = (k >= 0) & (k < p)
-        if kind == SLIDING:
-            visible = visible & (k >= p - self.cfg.sliding_window - 1)
-        return visible[:, None]
+        return _visible(kpos, positions, self.cfg.sliding_window if kind == SLIDING else None)
+
+
+@small  # one kernel for the comparisons, per block and attention type
+def _visible(kpos: mx.array, positions: mx.array, window: Optional[int]) -> mx.array:
+    k, p = kpos[:, None, :], positions[:, :, None]
+    visible = (k >= 0) & (k < p)
+    if window is not None:
+        visible = visible & (k >= p - window - 1)
+    return visible[:, None]
 

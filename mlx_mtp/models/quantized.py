@@ -244,17 +244,33 @@ def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
 
 class Linear(nn.Linear):
     """nn.Linear whose product, in a ragged forward, takes each sequence's rows apart: a BLAS may
-    round a row differently with the number of rows in the product (MKL does, at any size)."""
+    round a row differently with the number of rows in the product (MKL does, at any size). In a
+    compiled forward it reads its weight's transpose handed in (`base.compiled`): no Transpose node."""
+
+    reads_transpose = True
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _per_sequence(super().__call__, x)
+        return _per_sequence(self._product, x)
+
+    def _product(self, x: mx.array) -> mx.array:
+        w = _transposed(self)
+        return x @ w if "bias" not in self else mx.addmm(self["bias"], x, w)
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding whose `as_linear` (a tied head) takes each sequence's rows apart, as `Linear`."""
+    """nn.Embedding whose `as_linear` (a tied head) takes each sequence's rows apart, as `Linear`, and
+    reads its weight's transpose as `Linear` does."""
+
+    reads_transpose = True
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return _per_sequence(super().as_linear, x)
+        return _per_sequence(lambda rows: rows @ _transposed(self), x)
+
+
+def _transposed(layer: nn.Module) -> mx.array:
+    """W^T of a layer: the view a compiled forward hands in, else a Transpose of its own."""
+    view = layer.__dict__.get("weight_t")
+    return layer["weight"].T if view is None else view
 
 
 def _per_sequence(product, x: mx.array) -> mx.array:

@@ -1,0 +1,151 @@
+"""Issue 42: primitives counted per path, projections joined at load, and no compile in a warmed run."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_mtp import jit, primitives
+from mlx_mtp.batch import BatchGenerator
+from mlx_mtp.loading import model_from_weights
+from mlx_mtp.models import gemma4
+from mlx_mtp.models.quantized import QuantizedLinear
+from mlx_mtp.tiny import quantized_pair, tiny_pair
+from mlx_mtp.warm import every_length
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return tiny_pair("dense", seed=5)
+
+
+def total(kinds) -> int:
+    return sum(kinds.values())
+
+
+def test_counts_are_the_same_every_time_and_the_fused_path_has_fewer(dense):
+    counts = {}
+    for name in primitives.PATHS:
+        with primitives.path(name):
+            counts[name] = [total(primitives.round_kinds(dense.target, dense.drafter, rows, k))
+                            for rows, k in ((1, 0), (1, 3), (4, 0))]
+            again = [total(primitives.round_kinds(dense.target, dense.drafter, rows, k))
+                     for rows, k in ((1, 0), (1, 3), (4, 0))]
+            assert again == counts[name]
+    cpu, metal = counts["cpu"], counts["metal"]
+    assert all(m < c for m, c in zip(metal, cpu)), counts  # one node per mx.fast op: fewer than the CPU's ops
+    assert all(c[1] > c[0] for c in counts.values())  # a round drafts and verifies: more than a step
+
+
+def test_a_counted_graph_leaves_the_real_forward_alone(dense):
+    """Counting traces its stand-ins apart: the model's own outputs afterwards are the same."""
+    ids = mx.array([[5, 9, 11, 2]])
+    before = dense.target(ids).logits
+    with primitives.path("metal"):
+        primitives.round_kinds(dense.target, dense.drafter, 1, 2)
+    assert mx.array_equal(dense.target(ids).logits, before)
+
+
+def test_the_cuda_path_stands_in_mlx_mtps_kernels():
+    pair = quantized_pair()
+    with primitives.path("cuda"):
+        cuda = primitives.round_kinds(pair.target, pair.drafter, 1, 0)
+    with primitives.path("metal"):
+        metal = primitives.round_kinds(pair.target, pair.drafter, 1, 0)
+    # the products on mlx_mtp's kernels instead of MLX's quantized matmuls
+    assert cuda["QuantizedMatmul"] < metal["QuantizedMatmul"] and cuda[primitives.STAND_IN] > metal[primitives.STAND_IN]
+
+
+def test_joined_checkpoints_and_the_checkpoint_layout_load_the_same(dense):
+    """sanitize joins q/k/v and gate/up (idempotent); unjoin writes the checkpoint's layout back."""
+    config = {"model_type": "gemma4_text", **dense.target.config.__dict__}
+    config.pop("per_layer_config", None)
+    params = dict(tree_flatten(dense.target.parameters()))
+    layout = gemma4.unjoin(params, dense.target.model.layers)
+    assert "model.layers.0.self_attn.q_proj.weight" in layout and "model.layers.0.mlp.up_proj.weight" in layout
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in layout)
+    rejoined = gemma4.join(layout)
+    assert rejoined.keys() == params.keys() and all(mx.array_equal(rejoined[k], params[k]) for k in params)
+    assert gemma4.join(rejoined).keys() == params.keys()  # idempotent
+    ids = mx.array([[3, 7, 1, 8, 2]])
+    old = model_from_weights(config, layout)
+    assert mx.array_equal(old(ids).logits, dense.target(ids).logits)
+
+
+def test_a_joined_quantized_product_is_its_parts_bitwise():
+    """Quantization groups run along the input axis: joining along the output axis is exact, and the
+    quantized kernel computes each output column alone, so each part's columns are bitwise its own."""
+    parts = [nn.Linear(64, n, bias=False) for n in (32, 16, 16)]
+    for p, seed in zip(parts, (1, 2, 3)):
+        p.weight = mx.random.normal(p.weight.shape, key=mx.random.key(seed)) / 8
+    joined = nn.Linear(64, 64, bias=False)
+    joined.weight = mx.concatenate([p.weight for p in parts])
+    q_parts = [nn.QuantizedLinear.from_linear(p, group_size=32, bits=4) for p in parts]
+    q_joined = nn.QuantizedLinear.from_linear(joined, group_size=32, bits=4)
+    for q in (*q_parts, q_joined):
+        q.__class__ = QuantizedLinear
+    x = mx.random.normal((3, 64), key=mx.random.key(4))
+    want = mx.concatenate([q(x) for q in q_parts], axis=-1)
+    assert mx.array_equal(q_joined(x), want)
+
+
+def run(pair, prompts, k, n=10) -> list:
+    gen = BatchGenerator(pair.target, pair.drafter, draft_tokens=k)
+    uids = [gen.insert(p, max_tokens=n) for p in prompts]
+    out = {u: [] for u in uids}
+    while gen.busy:
+        for event in gen.step():
+            out[event.uid] += event.tokens
+    return [out[u] for u in uids]
+
+
+def test_auto_compiles_nothing_once_every_draft_length_is_warmed():
+    """Warm-up runs each draft length auto may pick, and plain steps and drafted rounds in turn, at the
+    batch's shapes; the auto runs after it trace nothing new (without the warm-up they do: the counter
+    sees it)."""
+    prompts = [np.random.default_rng(i).integers(3, 128, 12 + i).tolist() for i in range(2)]
+    cold = tiny_pair("dense", seed=7)
+    with jit.counting() as traced:
+        run(cold, prompts, "auto")
+    assert traced.count > 0
+    warm = tiny_pair("dense", seed=7)
+    every_length(prompts, warm, 10)
+    with jit.counting() as traced:
+        tokens = run(warm, prompts, "auto")
+    assert traced.count == 0, traced.signatures
+    assert tokens == run(warm, prompts, 0)  # and auto's output is plain greedy decoding's
+
+
+def test_compiled_forwards_read_the_weights_the_model_has_now():
+    """Products read transposed views of their weights handed to the compiled forward: made again when a
+    weight changes, and found again when a layer is replaced (here: quantized after the first forward)."""
+    from mlx_mtp.models.quantized import adopt
+
+    mine, other = tiny_pair("dense", seed=11).target, tiny_pair("dense", seed=12).target
+    ids = mx.array([[5], [9]])
+
+    def step(model):  # a decoding step: the compiled forward
+        return model(ids, primitives.filled_cache(model, 2, 16)).logits
+
+    first = step(mine)
+    mine.update(other.parameters())
+    assert mx.array_equal(step(mine), step(other)) and not mx.array_equal(step(mine), first)
+    for model in (mine, other):
+        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith("mlp.down_proj"))
+        adopt(model)
+    assert mx.array_equal(step(mine), step(other))
+
+
+def test_a_record_quantizing_the_parts_of_a_joined_projection_apart_is_refused(dense):
+    from mlx_mtp.loading import apply_quantization
+    from mlx_mtp.models.base import ConfigError
+
+    record = {"group_size": 32, "bits": 4, "model.layers.0.mlp.gate_proj": {"group_size": 32, "bits": 8},
+              "model.layers.0.mlp.up_proj": {"group_size": 32, "bits": 8}}
+    model = gemma4.Model(dense.target.config)
+    apply_quantization(model, record, gemma4)  # both parts at 8 bits: the joined module is
+    assert model.model.layers[0].mlp.gate_up_proj.bits == 8 and model.model.layers[1].mlp.gate_up_proj.bits == 4
+    record["model.layers.0.mlp.up_proj"] = {"group_size": 32, "bits": 4}
+    with pytest.raises(ConfigError, match="gate_up_proj are quantized differently"):
+        apply_quantization(gemma4.Model(dense.target.config), record, gemma4)
