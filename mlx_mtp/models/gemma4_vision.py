@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -283,3 +283,88 @@ def vision_from_weights(config: dict[str, Any], weights: dict[str, mx.array]) ->
     mx.eval(vision.parameters())
     vision.eval()
     return vision
+
+
+class ImageRows(NamedTuple):
+    """The image soft tokens of one forward, as `gemma4.Model` takes them (`images=`)."""
+
+    rows: mx.array  # (n,) int32: flat token rows (b * L + i) that take a soft token
+    features: mx.array  # (n, text hidden): their soft tokens, in row order
+    blocks: tuple  # (starts, ends), (B, M) int32 absolute positions of each image's run (KVCache.begin)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptImages:
+    """The images of one prompt: where each image's soft tokens start (absolute position of its
+    first placeholder) and the soft tokens themselves, in prompt order."""
+
+    starts: tuple
+    features: tuple  # (N_i, text hidden) each
+    digests: tuple = ()  # each image's content key (`images.Patches.digest`)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each image's soft tokens."""
+        return [(s, s + int(f.shape[0])) for s, f in zip(self.starts, self.features)]
+
+    def rows(self, start: int, length: int) -> Optional[ImageRows]:
+        """The soft tokens among positions start .. start + length - 1 of a one-row forward (None:
+        no image there). An image cut by the forward's ends contributes its rows inside it."""
+        rows, feats, starts, ends = [], [], [], []
+        for (s, e), f in zip(self.spans, self.features):
+            a, b = max(s, start), min(e, start + length)
+            if a >= b:
+                continue
+            rows.append(np.arange(a - start, b - start, dtype=np.int32))
+            feats.append(f[a - s : b - s])
+            starts.append(s)
+            ends.append(e)
+        if not rows:
+            return None
+        blocks = (mx.array([starts], dtype=mx.int32), mx.array([ends], dtype=mx.int32))
+        return ImageRows(mx.array(np.concatenate(rows)), mx.concatenate(feats, axis=0), blocks)
+
+    def cut(self, start: int, end: int) -> int:
+        """Where a forward that starts at `start` and would end before `end` should end so that it cuts
+        no image: `end` itself, or the start of the image it would cut (the end of that image when
+        the image started at `start` or before, so that the forward still moves on)."""
+        for s, e in self.spans:
+            if s < end < e:
+                return s if s > start else e
+        return end
+
+
+def placeholder_runs(ids: Sequence[int], image_token: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of `image_token` in ids."""
+    ids = np.asarray(ids)
+    hit = np.concatenate([[False], ids == image_token, [False]])
+    edges = np.flatnonzero(hit[1:] != hit[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def expand_placeholders(ids: Sequence[int], counts: Sequence[int], boi: int, image: int, eoi: int) -> list[int]:
+    """ids with the i-th lone `image` token (a chat template's placeholder) replaced by boi, counts[i]
+    image tokens and eoi, as transformers' `Gemma4Processor` expands them."""
+    out, used = [], 0
+    for t in ids:
+        if t != image:
+            out.append(int(t))
+            continue
+        if used == len(counts):
+            raise ValueError(f"the prompt has more image placeholders than the {len(counts)} image(s) given")
+        out += [boi] + [image] * counts[used] + [eoi]
+        used += 1
+    if used != len(counts):
+        raise ValueError(f"{len(counts)} image(s) given for {used} image placeholder(s) in the prompt")
+    return out
+
+
+def prompt_images(vision: Vision, ids: Sequence[int], patches: Sequence, image_token: int) -> PromptImages:
+    """Encode `patches` (`images.Patches`, in prompt order) and place them at the runs of `image_token`
+    in ids (expanded: one run of N_i placeholders per image)."""
+    runs = placeholder_runs(ids, image_token)
+    if [e - s for s, e in runs] != [p.tokens for p in patches]:
+        raise ValueError(f"image placeholder runs {[e - s for s, e in runs]} do not match the images' soft "
+                         f"token counts {[p.tokens for p in patches]}")
+    feats = tuple(vision(p.pixels, p.positions) for p in patches)
+    return PromptImages(tuple(s for s, _ in runs), feats, tuple(p.digest for p in patches))
