@@ -10,6 +10,7 @@ the padding keys, which gives the same values (padding rows are dropped after po
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -323,6 +324,17 @@ class PromptImages:
             return None
         blocks = (mx.array([starts], dtype=mx.int32), mx.array([ends], dtype=mx.int32))
         return ImageRows(mx.array(np.concatenate(rows)), mx.concatenate(feats, axis=0), blocks)
+
+    def keyed(self, prompt: Sequence[int]) -> list:
+        """`prompt` with each image's placeholders replaced by ids drawn from the image's content (its
+        digest, else its soft tokens' bytes): negative, so never a token, and equal only for the same
+        image at the same place (what the prefix cache keys states by)."""
+        out = list(prompt)
+        for i, ((s, e), f) in enumerate(zip(self.spans, self.features)):
+            digest = self.digests[i] if i < len(self.digests) else hashlib.sha256(np.array(f).tobytes()).hexdigest()
+            draws = np.random.default_rng(int(digest[:32], 16)).integers(0, 2**31 - 1, e - s)
+            out[s:e] = (-1 - draws).tolist()
+        return out
 
     def cut(self, start: int, end: int) -> int:
         """Where a forward that starts at `start` and would end before `end` should end so that it cuts
