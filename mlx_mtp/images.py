@@ -62,6 +62,8 @@ def open_image(source: ImageSource):
         return source
     if isinstance(source, str) and source.startswith("data:"):
         source = decode_data_url(source)
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise ImageError("image URLs are not fetched: send the image as base64 data")
     if isinstance(source, (bytes, bytearray)):
         stream, name = io.BytesIO(bytes(source)), "image bytes"
     elif isinstance(source, (str, Path)):
@@ -103,16 +105,17 @@ def _check_size(size: tuple[int, int]) -> None:
         raise ImageError(f"the image is {w}x{h} pixels ({w * h / 1e6:.0f} MP); at most {MAX_PIXELS / 1e6:.0f} MP")
 
 
-def target_size(height: int, width: int, budget: int = DEFAULT_BUDGET) -> tuple[int, int]:
+def target_size(height: int, width: int, budget: int = DEFAULT_BUDGET, patch: int = PATCH,
+                pool: int = POOL) -> tuple[int, int]:
     """(height, width) the image is resized to: as transformers' `get_aspect_ratio_preserving_size`
     (sides multiples of 48, at most 9 * budget patches; a side that would round to 0 becomes 48)."""
     if budget not in BUDGETS:
         raise ImageError(f"image token budget must be one of {', '.join(map(str, BUDGETS))}, not {budget}")
-    side, max_patches = PATCH * POOL, budget * POOL**2
-    factor = math.sqrt(max_patches * PATCH**2 / (height * width))
+    side, max_patches = patch * pool, budget * pool**2
+    factor = math.sqrt(max_patches * patch**2 / (height * width))
     h = int(math.floor(factor * height / side)) * side
     w = int(math.floor(factor * width / side)) * side
-    longest = (max_patches // POOL**2) * side
+    longest = (max_patches // pool**2) * side
     if h == 0:
         h, w = side, min(int(math.floor(width / height)) * side, longest)
     elif w == 0:
@@ -120,27 +123,28 @@ def target_size(height: int, width: int, budget: int = DEFAULT_BUDGET) -> tuple[
     return h, w
 
 
-def soft_tokens(height: int, width: int, budget: int = DEFAULT_BUDGET) -> int:
+def soft_tokens(height: int, width: int, budget: int = DEFAULT_BUDGET, patch: int = PATCH, pool: int = POOL) -> int:
     """Soft tokens an image of this size takes at this budget."""
-    h, w = target_size(height, width, budget)
-    return (h // (PATCH * POOL)) * (w // (PATCH * POOL))
+    h, w = target_size(height, width, budget, patch, pool)
+    return (h // (patch * pool)) * (w // (patch * pool))
 
 
-def process(source: ImageSource, budget: int = DEFAULT_BUDGET) -> Patches:
-    """Open (see `open_image`), resize and patchify one image for the encoder."""
+def process(source: ImageSource, budget: int = DEFAULT_BUDGET, patch: int = PATCH, pool: int = POOL) -> Patches:
+    """Open (see `open_image`), resize and patchify one image for the encoder (`patch`, `pool`: its
+    config's `patch_size` and `pooling_kernel_size`; Gemma 4's are 16 and 3)."""
     from PIL import Image
 
     image = _rgb(open_image(source))
-    h, w = target_size(image.height, image.width, budget)
+    h, w = target_size(image.height, image.width, budget, patch, pool)
     if (h, w) != (image.height, image.width):
         image = image.resize((w, h), Image.Resampling.BICUBIC)
     codes = np.asarray(image, dtype=np.uint8)
-    hp, wp = h // PATCH, w // PATCH
-    patches = codes.reshape(hp, PATCH, wp, PATCH, 3).transpose(0, 2, 1, 3, 4).reshape(hp * wp, -1)
+    hp, wp = h // patch, w // patch
+    patches = codes.reshape(hp, patch, wp, patch, 3).transpose(0, 2, 1, 3, 4).reshape(hp * wp, -1)
     gx, gy = np.meshgrid(np.arange(wp), np.arange(hp), indexing="xy")
     positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
-    digest = hashlib.sha256(codes.tobytes() + f"|{w}x{h}|{budget}".encode()).hexdigest()
-    return Patches(_RESCALE[patches], positions, hp * wp // POOL**2, digest)
+    digest = hashlib.sha256(codes.tobytes() + f"|{w}x{h}|{budget}|{patch}".encode()).hexdigest()
+    return Patches(_RESCALE[patches], positions, hp * wp // pool**2, digest)
 
 
 def _rgb(image):

@@ -201,6 +201,9 @@ class VisionTower(nn.Module):
         self.rope = Rope2D(cfg.head_dim, cfg.rope_theta)
 
     def __call__(self, pixels: mx.array, positions: np.ndarray) -> mx.array:
+        if positions.min() < 0 or positions.max() >= self.config.position_embedding_size:
+            raise ValueError(f"patch positions must lie in 0..{self.config.position_embedding_size - 1} "
+                             "(the encoder's position table)")
         cos, sin = self.rope.table(positions)
         x = self.patch_embedder(pixels, mx.array(positions.astype(np.int32)))
         for layer in self.encoder.layers:

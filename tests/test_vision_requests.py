@@ -1,0 +1,103 @@
+"""Images through the front end: `Request(messages=...)` with image parts as transformers' chat
+templates take them, rendered, expanded, encoded with a lazily loaded tower, and answered as the
+same prompt given as ids and placed images; bad images are one-line errors."""
+
+import io
+
+import numpy as np
+import pytest
+from chat_helpers import DRAFTER, make_vision_chat_model
+from PIL import Image
+
+from mlx_mtp import Engine, Request, load
+from mlx_mtp.generate import generate_tokens
+from mlx_mtp.images import ImageError
+from mlx_mtp.models.gemma4_vision import placeholder_runs
+
+WAIT = 120
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_vision_chat_model(tmp_path_factory.mktemp("vision") / "model")
+
+
+def picture(w, h, seed=0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_the_tower_loads_with_the_first_image_only(model_dir):
+    loaded = load(model_dir, DRAFTER)
+    assert loaded.vision is not None and not loaded.vision.loaded
+    with Engine(loaded) as engine:
+        engine.submit(Request(messages=[{"role": "user", "content": "hi"}], max_tokens=3)).result(WAIT)
+        assert not loaded.vision.loaded  # text only: never read
+        engine.submit(Request(messages=[{"role": "user", "content": [
+            {"type": "image", "image": picture(40, 30)}, {"type": "text", "text": "hi"}]}], max_tokens=3)).result(WAIT)
+        assert loaded.vision.loaded
+    assert load(model_dir, load_vision=True).vision.loaded
+
+
+def test_image_messages_answer_as_placed_ids(model_dir, tmp_path):
+    """Two images (a PIL image and a file path) in one user message: the prompt renders one
+    placeholder per image, expanded to each image's soft tokens; the reply (MTP on) equals plain
+    decoding of those ids with the images placed."""
+    loaded = load(model_dir, DRAFTER)
+    assert loaded.vision.budget == 70  # processor_config.json's
+    path = tmp_path / "b.png"
+    path.write_bytes(png(picture(30, 45, seed=1)))
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture(40, 30)},
+                                             {"type": "text", "text": " two pictures "},
+                                             {"type": "image", "url": str(path)}]}]
+    with Engine(loaded) as engine:
+        prepared = engine._prepare.one_shot(Request(messages=messages, max_tokens=20))[1]
+        reply = engine.submit(Request(messages=messages, max_tokens=20, draft_tokens=2)).result(WAIT)
+    runs = placeholder_runs(prepared.tokens, loaded.vision.image_token)
+    counts = [loaded.vision.process(s).tokens for s in (picture(40, 30), str(path))]
+    assert 1 < counts[0] != counts[1] > 1
+    assert [e - s for s, e in runs] == counts
+    assert all(prepared.tokens[s - 1] == loaded.vision.boi and prepared.tokens[e] == loaded.vision.eoi for s, e in runs)
+    plain = [t for t, _ in generate_tokens(loaded.target, prepared.tokens, max_tokens=20, images=prepared.images,
+                                           stop_ids=loaded.eos_ids)]
+    assert list(reply.tokens) == plain
+
+
+def test_openai_image_url_parts_and_bytes_are_the_same_image(model_dir):
+    import base64
+
+    loaded = load(model_dir)
+    data = png(picture(40, 30))
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    with Engine(loaded) as engine:
+        a = engine._prepare.one_shot(Request(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}]))[1]
+        b = engine._prepare.one_shot(Request(messages=[{"role": "user", "content": [
+            {"type": "image", "image": data}, {"type": "text", "text": "x"}]}]))[1]
+    assert a.tokens == b.tokens and a.images.digests == b.images.digests
+
+
+@pytest.mark.parametrize("source, words", [
+    (b"GIF89a broken", "not a readable image"),
+    ("https://example.com/cat.png", "not fetched"),
+    ("data:image/png;base64,AAAA", "not a readable image"),
+])
+def test_bad_images_are_refused_at_submit(model_dir, source, words):
+    with Engine(load(model_dir)) as engine:
+        with pytest.raises(ImageError, match=words):
+            engine.submit(Request(messages=[{"role": "user", "content": [{"type": "image", "image": source}]}]))
+
+
+def test_a_model_without_a_tower_says_so():
+    from chat_helpers import TINY, make_chat_model  # noqa: F401  (a text-only checkpoint)
+    from mlx_mtp.demo import TARGET_DIR
+
+    with Engine(load(TARGET_DIR)) as engine:
+        with pytest.raises(ImageError, match="takes no images"):
+            engine.submit(Request(messages=[{"role": "user", "content": [{"type": "image", "image": b"x"}]}]))
