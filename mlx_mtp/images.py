@@ -97,6 +97,24 @@ def decode_data_url(url: str) -> bytes:
         raise ImageError("the image data URL is not valid base64") from None
 
 
+MAX_FETCH_BYTES = 32 << 20
+
+
+def fetch(url: str, timeout: float = 15.0) -> bytes:
+    """The bytes at an http(s) image URL (ImageError when it cannot be had, or is over 32 MB)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "mlx-mtp"}),
+                                    timeout=timeout) as response:
+            data = response.read(MAX_FETCH_BYTES + 1)
+    except (OSError, ValueError) as e:
+        raise ImageError(f"cannot fetch the image at {url}: {e}") from None
+    if len(data) > MAX_FETCH_BYTES:
+        raise ImageError(f"the image at {url} is over {MAX_FETCH_BYTES >> 20} MB")
+    return data
+
+
 def _check_size(size: tuple[int, int]) -> None:
     w, h = size
     if w < 1 or h < 1:

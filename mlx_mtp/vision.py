@@ -37,6 +37,7 @@ class VisionEncoder:
         self.boi = int(config.get("boi_token_id", 255999))
         self.eoi = int(config.get("eoi_token_id", 258882))
         self.budget = budget
+        self.fetch_urls = False  # http(s) image URLs are fetched only where the server is told to
         self._model = None
         self._lock = threading.Lock()
 
@@ -63,6 +64,8 @@ class VisionEncoder:
     def process(self, source, budget: Optional[int] = None) -> image_io.Patches:
         """One image source opened and patchified for this encoder (ImageError if unusable)."""
         cfg = self.vision_config
+        if self.fetch_urls and isinstance(source, str) and source.startswith(("http://", "https://")):
+            source = image_io.fetch(source)
         return image_io.process(source, budget or self.budget, patch=cfg.patch_size, pool=cfg.pooling_kernel_size)
 
     def place(self, tokens: Sequence[int], sources: Sequence, budget: Optional[int] = None) -> tuple[list, Any]:

@@ -101,3 +101,60 @@ def test_a_model_without_a_tower_says_so():
     with Engine(load(TARGET_DIR)) as engine:
         with pytest.raises(ImageError, match="takes no images"):
             engine.submit(Request(messages=[{"role": "user", "content": [{"type": "image", "image": b"x"}]}]))
+
+
+# ---- the HTTP APIs ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def api(model_dir):
+    from starlette.testclient import TestClient
+
+    from mlx_mtp.server.app import Settings, create_app, served_model
+
+    loaded = load(model_dir, DRAFTER)
+    with Engine(loaded) as engine:
+        yield TestClient(create_app(engine, Settings(served_model(loaded, "tiny")))), loaded
+
+
+def openai_body(image_url, text="what is it?"):
+    return {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": text}]}]}
+
+
+def anthropic_body(data, media="image/png"):
+    return {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}},
+        {"type": "text", "text": "what is it?"}]}]}
+
+
+def test_both_apis_answer_an_image_as_the_library_does(api):
+    import base64
+
+    client, loaded = api
+    data = base64.b64encode(png(picture(40, 30))).decode()
+    handle = client.app.state.engine.submit(Request(messages=[{"role": "user", "content": [
+        {"type": "image", "image": picture(40, 30)}, {"type": "text", "text": "what is it?"}]}], max_tokens=6))
+    expected = handle.result(WAIT)
+    a = client.post("/v1/chat/completions", json=openai_body("data:image/png;base64," + data)).json()
+    b = client.post("/v1/messages", json=anthropic_body(data)).json()
+    used = b["usage"]  # Anthropic counts the tokens read from the prefix cache apart
+    counted = used["input_tokens"] + used.get("cache_read_input_tokens", 0) + used.get("cache_creation_input_tokens", 0)
+    assert a["usage"]["prompt_tokens"] == counted == handle.prompt_tokens > 70
+    assert a["usage"]["completion_tokens"] == b["usage"]["output_tokens"] == len(expected.tokens)
+
+
+@pytest.mark.parametrize("source, words", [
+    ("data:image/png;base64,aGVsbG8=", "not a readable image"),  # "hello": not an image
+    ("https://example.com/cat.png", "not fetched"),
+])
+def test_bad_images_are_400s_in_each_apis_words(api, source, words):
+    import base64
+
+    client, _ = api
+    a = client.post("/v1/chat/completions", json=openai_body(source))
+    assert a.status_code == 400 and words in a.json()["error"]["message"]
+    assert a.json()["error"]["type"] == "invalid_request_error"
+    data = source.split(",", 1)[1] if source.startswith("data:") else base64.b64encode(b"\x00" * 10).decode()
+    b = client.post("/v1/messages", json=anthropic_body(data))
+    assert b.status_code == 400 and b.json()["type"] == "error"
+    assert b.json()["error"]["type"] == "invalid_request_error" and "not a readable image" in b.json()["error"]["message"]
