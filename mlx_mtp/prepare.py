@@ -58,6 +58,18 @@ class Preparer:
             raise ImageError("this model takes no images (its checkpoint has no vision tower)")
         return encoder.place(tokens, sources)
 
+    def count(self, request: Request) -> int:
+        """The length of a one-shot request's prompt as it would run (images as their soft tokens,
+        counted from their sizes: nothing is encoded)."""
+        sources, messages = vision.message_images(request.messages)
+        tokens = self.render(request if messages is None else dataclasses.replace(request, messages=messages))[0]
+        if not sources:
+            return len(tokens)
+        encoder = getattr(self.loaded, "vision", None)
+        if encoder is None:
+            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
+        return len(tokens) + sum(encoder.process(s).tokens + 1 for s in sources)  # <|image|> -> boi, N, eoi
+
     def turn(self, request: Request, turn: Turn) -> Prepared:
         """A conversation's turn as it starts, with its grammar (after the turns before it)."""
         return Prepared(turn.prompt.tokens, turn.boundaries, turn.prompt, self._matcher(request.grammar, turn.prompt))

@@ -158,3 +158,14 @@ def test_bad_images_are_400s_in_each_apis_words(api, source, words):
     b = client.post("/v1/messages", json=anthropic_body(data))
     assert b.status_code == 400 and b.json()["type"] == "error"
     assert b.json()["error"]["type"] == "invalid_request_error" and "not a readable image" in b.json()["error"]["message"]
+
+
+def test_count_tokens_counts_soft_tokens(api):
+    import base64
+
+    client, loaded = api
+    body = anthropic_body(base64.b64encode(png(picture(30, 45))).decode())
+    counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    request = Request(messages=[{"role": "user", "content": [{"type": "image", "image": picture(30, 45)},
+                                                             {"type": "text", "text": "what is it?"}]}])
+    assert counted == len(client.app.state.engine._prepare.one_shot(request)[1].tokens) > 60
