@@ -169,3 +169,40 @@ def test_count_tokens_counts_soft_tokens(api):
     request = Request(messages=[{"role": "user", "content": [{"type": "image", "image": picture(30, 45)},
                                                              {"type": "text", "text": "what is it?"}]}])
     assert counted == len(client.app.state.engine._prepare.one_shot(request)[1].tokens) > 60
+
+
+# ---- the chat -----------------------------------------------------------------------------------
+
+def test_chat_shows_images_with_a_message(model_dir, tmp_path):
+    """`--image PATH` goes with --prompt; `/image PATH` with the next message; a second image in the
+    next turn joins the conversation so far. The printed reply is the library's for the same messages."""
+    import subprocess
+    import sys
+
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    first.write_bytes(png(picture(40, 30)))
+    second.write_bytes(png(picture(30, 45, seed=1)))
+    run = subprocess.run([sys.executable, "-m", "mlx_mtp.chat", "--model", str(model_dir), "--drafter", str(DRAFTER),
+                          "--max-tokens", "5"], input=f"/image {first}\nwhat is it?\n/image {second}\nand this?\n"
+                         f"/image {tmp_path}/missing.png\n".encode(), capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()
+    err = run.stderr.decode()
+    assert err.count("goes with your next message") == 2 and "no image file" in err
+    loaded = load(model_dir, DRAFTER)
+    with Engine(loaded) as engine:
+        messages = [{"role": "user", "content": [{"type": "image", "image": str(first)},
+                                                 {"type": "text", "text": "what is it?"}]}]
+        reply = engine.submit(Request(messages=messages, max_tokens=5)).result(WAIT)
+    assert run.stdout.decode().startswith(reply.text)
+
+
+def test_chat_image_flag_goes_with_the_prompt(model_dir, tmp_path, capsys):
+    from mlx_mtp import chat
+
+    path = tmp_path / "a.png"
+    path.write_bytes(png(picture(40, 30)))
+    assert chat.main(["--model", str(model_dir), "--max-tokens", "5", "--image", str(path), "--prompt", "what?"]) == 0
+    assert "goes with your next message" in capsys.readouterr().err
+    assert chat.main(["--model", str(model_dir), "--image", str(tmp_path / "none.png"), "--prompt", "x"]) == 2
+    assert chat.main(["--model", str(model_dir), "--raw", "--image", str(path), "--prompt", "x"]) == 2
+    assert "images go with chat messages" in capsys.readouterr().err
