@@ -273,18 +273,19 @@ class Vision(nn.Module):
         return out
 
 
-def vision_from_weights(config: dict[str, Any], weights: dict[str, mx.array]) -> Vision:
+def vision_from_weights(config: dict[str, Any], weights: dict[str, mx.array], evaluate: bool = True) -> Vision:
     """The image path of a `gemma4` checkpoint from its config.json dict and its tensors (any other
     tensors are ignored). `embed_vision` may be quantized (mlx-community's 4-bit checkpoints): its
     `.scales` say so, with the record's group size and bits."""
     vision = Vision.from_config(config)
     weights = vision.sanitize(weights)
     record = config.get("quantization") or {}
-    if "embed_vision.embedding_projection.scales" in weights:
-        nn.quantize(vision.embed_vision, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
-                    mode=record.get("mode", "affine"))
+    if any(k.endswith(".scales") for k in weights):  # quantized layers: where the checkpoint has scales
+        nn.quantize(vision, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
+                    mode=record.get("mode", "affine"), class_predicate=lambda p, m: f"{p}.scales" in weights)
     vision.load_weights(list(weights.items()), strict=True)
-    mx.eval(vision.parameters())
+    if evaluate:  # (the converter keeps them lazy: it writes one shard at a time)
+        mx.eval(vision.parameters())
     vision.eval()
     return vision
 
