@@ -106,9 +106,14 @@ GEMMA4_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma
 
 
 def make_vision_chat_model(dest: Path, variant: str = "bidir") -> Path:
-    """A copy of a vision fixture (tests/fixtures/vision/<variant>) with the Gemma 4 tokenizer (its image
-    tokens at the fixture's ids) and the released 26B/31B chat template."""
+    """A copy of a vision fixture (tests/fixtures/vision/<variant>) as a chat model (`write_vision_chat_files`)."""
     shutil.copytree(VISION / variant, dest)
+    return write_vision_chat_files(dest)
+
+
+def write_vision_chat_files(dest: Path) -> Path:
+    """The Gemma 4 tokenizer (its image tokens at the vision fixtures' ids), the released 26B/31B chat
+    template and a budget of 70 soft tokens, written into the checkpoint at `dest`."""
     vocab = {t: i for t, i in gemma4_vocab().items() if i not in IMAGE_SPECIALS.values()}
     write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), {**vocab, **IMAGE_SPECIALS})
     gen = json.loads((dest / "generation_config.json").read_text())

@@ -26,6 +26,8 @@ Deterministic (fixed seeds, one thread). What it writes under <out>:
     image token) so the bidirectional overlay applies. ``images_{n}``: which images, in order.
     Image 2 has 12 soft tokens, more than the window 8 (the look-back-only window rule).
   - ``greedy_2`` (int32, 24 new tokens): ``generate`` after prompt 2, past the window.
+* ``bidir/`` is a chat model too (``chat``: `chat_helpers.write_vision_chat_files`): tokenizer, the
+  released 26B/31B chat template, ``processor_config.json`` with budget 70.
 * ``processor.npz``: ``Gemma4ImageProcessorPil`` outputs for images made by ``case_image`` (an
   integer formula; the test builds the same PIL images), at every budget: for each
   case ``{name}_{budget}_pixels_sha256`` (the float32 bytes of the real patch rows; small cases also
@@ -43,6 +45,7 @@ import math
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -197,10 +200,20 @@ def build_processor(out: str) -> None:
     np.savez_compressed(os.path.join(out, "processor.npz"), **ref)
 
 
+def build_chat_files(out: str) -> None:
+    """`bidir/` as a chat model too: the Gemma 4 character tokenizer of tests/chat_helpers.py with the
+    image tokens at the fixture's ids, the released 26B/31B chat template, and budget 70 (the tiny
+    tower's position table holds 32 patches a side). The README's image example runs on it."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from chat_helpers import write_vision_chat_files
+
+    write_vision_chat_files(Path(out) / "bidir")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("tests", "fixtures", "vision"))
-    ap.add_argument("--parts", default="bidir,causal,processor")
+    ap.add_argument("--parts", default="bidir,causal,processor,chat")
     args = ap.parse_args(argv)
     if transformers.__version__ != mf.TRANSFORMERS_VERSION or not torch.__version__.startswith(mf.TORCH_VERSION):
         print(f"warning: fixtures are pinned to transformers=={mf.TRANSFORMERS_VERSION}, torch=={mf.TORCH_VERSION}",
@@ -212,6 +225,8 @@ def main(argv=None):
     for i, part in enumerate(args.parts.split(",")):
         if part == "processor":
             build_processor(args.out)
+        elif part == "chat":
+            build_chat_files(args.out)
         else:
             build_variant(part, args.out, SEED + i)
 
