@@ -43,7 +43,9 @@ class ImageChat:
         request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking, **options)
         handle = self.engine.submit(request)
         self.messages, self.last_stats = messages, handle.stats
-        self.tokens = list(handle._prepared.tokens) if handle._prepared is not None else []
+        prepared = handle._prepared  # its tokens as the prefix cache keys them (an image by its content)
+        self.tokens = [] if prepared is None else (list(prepared.tokens) if prepared.images is None
+                                                   else prepared.images.keyed(prepared.tokens))
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:

@@ -206,3 +206,18 @@ def test_chat_image_flag_goes_with_the_prompt(model_dir, tmp_path, capsys):
     assert chat.main(["--model", str(model_dir), "--image", str(tmp_path / "none.png"), "--prompt", "x"]) == 2
     assert chat.main(["--model", str(model_dir), "--raw", "--image", str(path), "--prompt", "x"]) == 2
     assert "images go with chat messages" in capsys.readouterr().err
+
+
+def test_image_chat_reuses_the_turns_before(model_dir):
+    """The second turn of a chat with an image restores the first turn (its image by content) from the
+    prefix cache instead of prefilling it again."""
+    from mlx_mtp.chat_images import ImageChat
+
+    with Engine(load(model_dir, DRAFTER)) as engine:
+        chat = ImageChat(engine)
+        list(chat.reply("what is it?", max_tokens=4, images=[picture(40, 30)]))
+        first = len(chat.tokens)
+        assert chat.cached_tokens() >= first - 1  # the image's placeholders keyed by its content
+        list(chat.reply("and now?", max_tokens=4))
+        assert chat.last_stats.cached_tokens >= first - 8  # up to where the template re-renders the reply
+        assert chat.messages[-1]["role"] == "assistant" and len(chat.messages) == 4
