@@ -10,7 +10,7 @@ holds 32 patches a side), and the same request without the image for comparison.
 16 heads of 72, MLP 4304, standardized; E2B/E4B: 16 at 768, 12 of 64, MLP 3072, clipped linears),
 random weights, one 960x672 image = 280 soft tokens (2,520 patches): processing and the encoder
 (`Vision.__call__`, evaluated); the language model's prefill of the ~290 positions comes on top.
-Prints one line per shape: the median over `--repeats` and each run.
+Prints one line per shape: the median over `--repeats` and each run (after `--warmup` untimed ones).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def demo_ttft(repeats: int) -> str:
             f"the same request without it ({tokens} prompt tokens) {_ms(times['text'])}")
 
 
-def encoder_time(name: str, repeats: int, dtype: mx.Dtype) -> str:
+def encoder_time(name: str, repeats: int, dtype: mx.Dtype, warmup: int = 1) -> str:
     from mlx_mtp.images import process
     from mlx_mtp.loading import cast_floats
     from mlx_mtp.models.gemma4_vision import Vision, VisionConfig
@@ -75,12 +75,12 @@ def encoder_time(name: str, repeats: int, dtype: mx.Dtype) -> str:
     mx.eval(model.parameters())
     image = picture(960, 672, seed=1)
     times, prep = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + warmup):
         start = time.perf_counter()
         patches = process(image, 280)
         mid = time.perf_counter()
         mx.eval(model(patches.pixels, patches.positions))
-        if i:
+        if i >= warmup:
             prep.append(mid - start)
             times.append(time.perf_counter() - mid)
     return (f"{name} encoder ({params['num_hidden_layers']} x {params['hidden_size']}, {dtype}), one image of "
@@ -108,10 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="demo,26b-a4b,e4b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--warmup", type=int, default=1, help="untimed encoder runs first (default 1)")
     args = ap.parse_args(argv)
     print(f"MLX {mx.__version__}, device {mx.default_device()}")
     for name in args.shapes.split(","):
-        line = demo_ttft(args.repeats) if name == "demo" else encoder_time(name, args.repeats, getattr(mx, args.dtype))
+        line = demo_ttft(args.repeats) if name == "demo" else encoder_time(name, args.repeats, getattr(mx, args.dtype),
+                                                                             args.warmup)
         print(line, flush=True)
     return 0
 
