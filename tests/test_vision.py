@@ -62,3 +62,23 @@ def test_clipping_bounds_are_used():
             module.input_min = module.output_min = mx.array(-np.inf)
             module.input_max = module.output_max = mx.array(np.inf)
     assert rel_diff(model(pixels, positions), clipped) > 1e-3
+
+
+REAL_VISION = ["google--gemma-4-E2B-it", "google--gemma-4-E4B-it", "google--gemma-4-26B-A4B-it", "google--gemma-4-31B-it",
+               "mlx-community--gemma-4-e4b-it-4bit", "mlx-community--gemma-4-26b-a4b-it-4bit"]
+
+
+@pytest.mark.parametrize("name", REAL_VISION)
+def test_released_vision_configs_build_with_the_published_sizes(name):
+    """Shape-only builds (nothing evaluated) of every released tower: transformers' parameter count
+    (tests/test_real_configs.py), plus the clipped-linear scalars (4 per linear, 7 linears a layer)
+    and the standardize buffers the checkpoints ship. The 12B's `gemma4_unified_vision` is another
+    front end (not built here)."""
+    from mlx.utils import tree_flatten
+    from test_real_configs import config, vision_buffers, vision_params
+
+    cfg = config(name)
+    model = Vision.from_config(cfg)
+    clip = 28 * cfg["vision_config"]["num_hidden_layers"] if cfg["vision_config"]["use_clipped_linears"] else 0
+    assert sum(v.size for _, v in tree_flatten(model.parameters())) == vision_params(cfg) + clip + vision_buffers(cfg)
+    assert Vision.from_config(cfg).vision_tower.encoder.layers[0].self_attn.head_dim == cfg["vision_config"]["head_dim"]

@@ -573,6 +573,8 @@ class Model(nn.Module):
     def _with_images(self, tokens: mx.array, cache: KVCache, keep: Optional[int], images) -> TargetOutput:
         """A forward whose rows hold image soft tokens: uncompiled, and on the 26B/31B (flag "vision")
         each image's tokens see each other on sliding layers (transformers' mask; full layers causal)."""
+        if self.pipeline is not None:
+            raise ValueError("images are not supported across a pipeline group")
         bidirectional = self.config.use_bidirectional_attention == "vision"
         step = cache.begin(tokens.shape[1], images.blocks if bidirectional else None)
         with forward_tokens(tokens.shape[1]):
