@@ -55,3 +55,27 @@ def test_mlx_community_names_load_as_they_are(tmp_path):
     keep = ref["image_position_ids"][0][:, 0] >= 0
     a = vision_from_weights(read_config(src), weights)(ref["pixel_values"][0][keep], ref["image_position_ids"][0][keep])
     assert np.abs(np.array(a) - ref["features_0_exact"]).max() <= 1e-4 * np.abs(ref["features_0_exact"]).max()
+
+
+def test_a_quantized_embedder_loads_as_mlx_community_ships_it():
+    """mlx-community's 4-bit checkpoints quantize `embed_vision.embedding_projection` (the tower stays
+    bf16): its `.scales`/`.biases` load into a quantized layer that computes what was saved."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.models.gemma4_vision import Vision, VisionConfig
+
+    vision_config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, patch_size=4, position_embedding_size=16)
+    config = {"vision_config": vision_config, "text_config": {"hidden_size": 32},
+              "quantization": {"group_size": 32, "bits": 4}}
+    source = Vision.from_config(config)
+    nn.quantize(source.embed_vision, group_size=32, bits=4)
+    saved = dict(tree_flatten(source.parameters()))
+    assert "embed_vision.embedding_projection.scales" in saved
+    loaded = vision_from_weights(config, saved)
+    rng = np.random.default_rng(0)
+    pixels = rng.random((36, 48)).astype(np.float32)
+    positions = np.stack(np.meshgrid(np.arange(6), np.arange(6), indexing="xy"), -1).reshape(-1, 2)
+    assert np.array_equal(np.array(loaded(pixels, positions)), np.array(source(pixels, positions)))
+    assert isinstance(loaded.embed_vision.embedding_projection, nn.QuantizedLinear)

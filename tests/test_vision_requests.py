@@ -221,3 +221,27 @@ def test_image_chat_reuses_the_turns_before(model_dir):
         list(chat.reply("and now?", max_tokens=4))
         assert chat.last_stats.cached_tokens >= first - 8  # up to where the template re-renders the reply
         assert chat.messages[-1]["role"] == "assistant" and len(chat.messages) == 4
+
+
+def test_http_image_urls_are_fetched_only_when_allowed(api, tmp_path):
+    """--allow-image-urls (VisionEncoder.fetch_urls): an http URL's bytes are the image; off, a 400."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "a.png").write_bytes(png(picture(40, 30)))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client, loaded = api
+    url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
+    try:
+        assert client.post("/v1/chat/completions", json=openai_body(url)).status_code == 400
+        loaded.vision.fetch_urls = True
+        ok = client.post("/v1/chat/completions", json=openai_body(url))
+        missing = client.post("/v1/chat/completions", json=openai_body(url.replace("a.png", "b.png")))
+    finally:
+        loaded.vision.fetch_urls = False
+        server.shutdown()
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 60
+    assert missing.status_code == 400 and "cannot fetch the image" in missing.json()["error"]["message"]
