@@ -5,7 +5,8 @@ expanded and filled with the images' soft tokens.
 Message parts are as transformers' chat templates take them: `{"type": "image", "image": <path, bytes,
 data URL or PIL image>}` beside `{"type": "text", "text": ...}`; `{"type": "image", "url": ...}` and
 OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` are the same (`apply_chat_template` rewrites
-`image_url` parts so too). The template renders each image as one `<|image|>`; it becomes
+`image_url` parts so too). A part may ask for its own soft-token budget (`"max_soft_tokens": 70..1120`;
+OpenAI's `"detail": "low"` is 70). The template renders each image as one `<|image|>`; it becomes
 `<|image>` + N x `<|image|>` + `<image|>` (N: the image's soft tokens), as `Gemma4Processor` does.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -22,6 +23,14 @@ from . import images as image_io
 from .images import ImageError
 
 IMAGE_PART_TYPES = ("image", "image_url")
+DETAIL_BUDGETS = {"low": 70}  # OpenAI's `detail`: "low" takes the smallest budget; others the checkpoint's
+
+
+class ImagePart(NamedTuple):
+    """An image of a message and the soft-token budget its part asks for (None: the checkpoint's)."""
+
+    source: Any
+    budget: Optional[int] = None
 
 
 class VisionEncoder:
@@ -62,7 +71,10 @@ class VisionEncoder:
             return self._model
 
     def process(self, source, budget: Optional[int] = None) -> image_io.Patches:
-        """One image source opened and patchified for this encoder (ImageError if unusable)."""
+        """One image source (or `ImagePart`, with its own budget) opened and patchified for this
+        encoder (ImageError if unusable)."""
+        if isinstance(source, ImagePart):
+            source, budget = source.source, source.budget or budget
         cfg = self.vision_config
         if self.fetch_urls and isinstance(source, str) and source.startswith(("http://", "https://")):
             source = image_io.fetch(source)
@@ -122,12 +134,23 @@ def message_images(messages: Optional[Sequence[Mapping]]) -> tuple[list, Optiona
         parts = []
         for p in content:
             if _is_image(p):
-                sources.append(image_source(p))
+                sources.append(ImagePart(image_source(p), part_budget(p)))
                 parts.append({"type": "image"})
             else:
                 parts.append(p)
         out.append({**m, "content": parts})
     return sources, (out if sources else None)
+
+
+def part_budget(part: Mapping) -> Optional[int]:
+    """The budget an image part asks for: `max_soft_tokens` (70, 140, 280, 560, 1120), or OpenAI's
+    `detail: "low"` (70); None for the checkpoint's."""
+    budget = part.get("max_soft_tokens")
+    if budget is None and isinstance(part.get("image_url"), Mapping):
+        budget = DETAIL_BUDGETS.get(part["image_url"].get("detail"))
+    if budget is not None and budget not in image_io.BUDGETS:
+        raise ImageError(f"max_soft_tokens must be one of {', '.join(map(str, image_io.BUDGETS))}, not {budget!r}")
+    return budget
 
 
 def _is_image(part) -> bool:

@@ -245,3 +245,16 @@ def test_http_image_urls_are_fetched_only_when_allowed(api, tmp_path):
         server.shutdown()
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 60
     assert missing.status_code == 400 and "cannot fetch the image" in missing.json()["error"]["message"]
+
+
+def test_a_part_may_ask_for_its_budget():
+    from mlx_mtp.vision import ImagePart, message_images
+
+    sources, messages = message_images([{"role": "user", "content": [
+        {"type": "image", "image": b"a", "max_soft_tokens": 560},
+        {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}},
+        {"type": "image_url", "image_url": {"url": "data:y", "detail": "high"}}, {"type": "text", "text": "hi"}]}])
+    assert sources == [ImagePart(b"a", 560), ImagePart("data:x", 70), ImagePart("data:y", None)]
+    assert messages[0]["content"] == [{"type": "image"}] * 3 + [{"type": "text", "text": "hi"}]
+    with pytest.raises(ImageError, match="max_soft_tokens must be one of"):
+        message_images([{"role": "user", "content": [{"type": "image", "image": b"a", "max_soft_tokens": 100}]}])

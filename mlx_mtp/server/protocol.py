@@ -253,7 +253,8 @@ def _image_content(content: list, i: int) -> list:
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str) or not url:
             raise invalid(where, f'{where} must be {{"type": "image_url", "image_url": {{"url": ...}}}}')
-        parts.append({"type": "image_url", "image_url": {"url": url}})
+        detail = p["image_url"].get("detail") if isinstance(p.get("image_url"), dict) else None
+        parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
     return parts
 
 
