@@ -190,20 +190,26 @@ class Prefill:
 
 def _ragged(target: TargetModel, pieces: list, chunks: list, wanted: list):
     """`target.ragged` over the pieces, except that a piece holding image soft tokens runs in a forward
-    of its own (its placed images, and on the 26B/31B its mask). Outputs as `ragged` gives them."""
+    of its own (its placed images, and on the 26B/31B its mask); the text pieces still run side by
+    side. Outputs as `ragged` gives them: the wanted rows' last positions, in order."""
     placed = [row.images.rows(row.fed, end - row.fed) if row.images is not None else None for row, end in pieces]
     if all(p is None for p in placed):
         return target.ragged(chunks, [row.cache for row, _ in pieces], wanted)
-    logits, hidden = [], []
-    for (row, _), chunk, w, images in zip(pieces, chunks, wanted, placed):
-        out = target.ragged([chunk], [row.cache], [w]) if images is None else \
-            target(chunk, row.cache, keep=1 if w else 0, images=images)
-        if w:
-            logits.append(out.logits.reshape(1, 1, -1))
-            hidden.append(out.hidden.reshape(1, 1, -1))
-    if not logits:
+    outs = {}  # piece -> (logits, hidden) of its last position, for the wanted pieces
+    text = [i for i, p in enumerate(placed) if p is None]
+    if text:
+        out = target.ragged([chunks[i] for i in text], [pieces[i][0].cache for i in text], [wanted[i] for i in text])
+        for j, i in enumerate(i for i in text if wanted[i]):
+            outs[i] = out.logits[j : j + 1], out.hidden[j : j + 1]
+    for i, images in enumerate(placed):
+        if images is not None:
+            out = target(chunks[i], pieces[i][0].cache, keep=1 if wanted[i] else 0, images=images)
+            if wanted[i]:
+                outs[i] = out.logits, out.hidden
+    if not outs:
         return TargetOutput(None, None, {})
-    return TargetOutput(mx.concatenate(logits), mx.concatenate(hidden), {})
+    order = sorted(outs)
+    return TargetOutput(*(mx.concatenate([outs[i][k].reshape(1, 1, -1) for i in order]) for k in (0, 1)), {})
 
 
 def _first_token(row: Row, logits: mx.array, processors: Optional[Processors], prompt: mx.array,

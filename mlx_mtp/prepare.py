@@ -53,10 +53,13 @@ class Preparer:
 
     def _images(self, tokens: list, sources: list) -> tuple[list, object]:
         """The prompt with its images' placeholders expanded, and the images encoded and placed."""
+        return self._encoder().place(tokens, sources)
+
+    def _encoder(self):
         encoder = getattr(self.loaded, "vision", None)
         if encoder is None:
             raise ImageError("this model takes no images (its checkpoint has no vision tower)")
-        return encoder.place(tokens, sources)
+        return encoder
 
     def count(self, request: Request) -> int:
         """The length of a one-shot request's prompt as it would run (images as their soft tokens,
@@ -65,10 +68,7 @@ class Preparer:
         tokens = self.render(request if messages is None else dataclasses.replace(request, messages=messages))[0]
         if not sources:
             return len(tokens)
-        encoder = getattr(self.loaded, "vision", None)
-        if encoder is None:
-            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
-        return len(tokens) + sum(encoder.process(s).tokens + 1 for s in sources)  # <|image|> -> boi, N, eoi
+        return len(tokens) + sum(self._encoder().process(s).tokens + 1 for s in sources)  # <|image|>: boi, N, eoi
 
     def turn(self, request: Request, turn: Turn) -> Prepared:
         """A conversation's turn as it starts, with its grammar (after the turns before it)."""

@@ -123,7 +123,7 @@ def test_image_row_beside_text_rows_equals_alone():
     target = loaded("bidir")[0]
     ids, images = prompt("bidir", 3)
     alone = run(BatchGenerator(target, tiny_drafter("dense")), ids, images, n=12)[0]
-    gen = BatchGenerator(target, tiny_drafter("dense"), prefill_chunk=7)
+    gen = BatchGenerator(target, tiny_drafter("dense"), prefill_chunk=7, prefill_tokens=64)  # rows share forwards
     text = [gen.insert(list(range(3, 3 + m)), max_tokens=12) for m in (9, 20)]
     uid = gen.insert(ids.tolist(), max_tokens=12, images=images)
     out = {u: [] for u in (*text, uid)}
@@ -131,5 +131,6 @@ def test_image_row_beside_text_rows_equals_alone():
         for ev in gen.step():
             out[ev.uid] += ev.tokens
     assert out[uid] == alone
+    assert gen.prefill.pieces > gen.prefill.forwards  # the image's pieces ran in steps beside text rows
     for u, m in zip(text, (9, 20)):
         assert out[u] == [t for t, _ in generate_tokens(target, list(range(3, 3 + m)), max_tokens=12)]
