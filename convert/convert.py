@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import save_config
 
@@ -48,6 +49,7 @@ def plan(
     mode: str = "affine",
     preset: Optional[str] = None,
     quantize_drafter: bool = False,
+    quantize_vision: bool = False,
     shapes_only: bool = False,
     progress: bool = True,
 ) -> tuple[Path, dict[str, Any], dict[str, mx.array]]:
@@ -94,7 +96,32 @@ def plan(
     # the projections the model joins at load.
     weights = {prefix + k: v for k, v in module.unjoin(dict(tree_flatten(model.parameters())), layers, kept).items()}
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the caller owns the arrays now
+    if "vision_config" in config:
+        weights.update(vision_weights(src, config, DTYPES[dtype], quantize and quantize_vision, bits, group_size,
+                                      shapes_only))
     return src, config, weights
+
+
+def vision_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, quantize: bool, bits: Optional[int],
+                   group_size: Optional[int], shapes_only: bool) -> dict[str, mx.array]:
+    """The vision tower and its embedder under mlx-community's names (`vision_tower.*`,
+    `embed_vision.*`), in `dtype`; with `quantize`, the embedder and the tower's Linear layers whose
+    width the group size divides (the released tower's MLP width, 4304, is divided by neither 32 nor
+    64), at the LM's bits and group size."""
+    from mlx_mtp.loading import load_weights, weight_files
+    from mlx_mtp.models.gemma4_vision import Vision, vision_from_weights
+
+    if shapes_only:
+        vision = Vision.from_config(config)
+    else:
+        vision = vision_from_weights(config, load_weights(weight_files(src)), evaluate=False)
+    cast_floats(vision, dtype)
+    if quantize:
+        record = config.get("quantization") or {}
+        group = group_size or record.get("group_size", 64)
+        nn.quantize(vision, group_size=group, bits=bits or record.get("bits", 4),
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group == 0)
+    return dict(tree_flatten(vision.parameters()))
 
 
 def convert(
@@ -137,7 +164,7 @@ def convert(
     tmp.mkdir()
     try:
         write_weights(tmp, weights, int(max_shard_gb * (1 << 30)), progress)
-        save_config(config, tmp / "config.json")
+        save_config(config, tmp / "config.json", keep_vision_config=True)
         for name in EXTRA_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
@@ -202,8 +229,7 @@ def summary(config: dict[str, Any], weights: dict[str, mx.array]) -> str:
 def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
     """The input config in the released form mlx-lm reads (`global_head_dim`, no `per_layer_config`)."""
     config = copy.deepcopy(config)
-    for key in ("vision_config", "audio_config", "vision_soft_tokens_per_image"):
-        config.pop(key, None)
+    config.pop("audio_config", None)  # the vision tower is kept (`vision_weights`); audio is not supported
     text_cfg = model.config.text if config["model_type"] == DRAFTER_TYPE else model.config
     text = config.get("text_config", config) if config["model_type"] != "gemma4_text" else config
     _released_text_config(text, text_cfg)
@@ -339,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="affine", choices=("affine", *q.FIXED_MODES), help="quantization mode")
     p.add_argument("--preset", choices=q.PRESETS, help="mixed recipe (mixed_4_8: first/last layers 8 bits)")
     p.add_argument("--quantize-drafter", action="store_true", help="quantize a gemma4_assistant drafter too")
+    p.add_argument("--quantize-vision", action="store_true",
+                   help="quantize the vision embedder and tower too (default: kept in --dtype)")
     p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_GB, help="GB per output shard")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--dry-run", action="store_true", help="print what would be written")
@@ -351,7 +379,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     quantize = args.quantize or args.preset is not None
     options = dict(
         dtype=args.dtype, quantize=quantize, bits=args.bits, group_size=args.group_size, mode=args.mode,
-        preset=args.preset, quantize_drafter=args.quantize_drafter, progress=not args.quiet,
+        preset=args.preset, quantize_drafter=args.quantize_drafter, quantize_vision=args.quantize_vision,
+        progress=not args.quiet,
     )
     try:
         if args.dry_run:

@@ -227,7 +227,7 @@ class BatchGenerator:
                seed: Optional[int] = None, stop_ids: Sequence[int] = (), mtp: bool = True,
                draft_tokens: Union[int, str] = "auto", boundaries: Sequence[int] = (),
                owner: Optional[Hashable] = None, stats: Optional[Stats] = None, penalties: Penalties = NONE,
-               grammar=None, logprobs: Optional[int] = None) -> int:
+               grammar=None, logprobs: Optional[int] = None, images=None) -> int:
         """Queue a sequence; returns its uid. Its first token comes from a later `step()`.
 
         Args:
@@ -251,6 +251,8 @@ class BatchGenerator:
             grammar: a `grammar.Matcher` its output must match (ends with "dead_end" if it
                 ever allows no token).
             logprobs: report each token's log-probability, with this many alternatives (0..20).
+            images: the prompt's images (`gemma4_vision.PromptImages`), their soft tokens placed at
+                their placeholders; the prefix cache keys them by their content.
 
         Raises:
             ValueError: bad arguments or token ids; ContextLengthError: it does not fit.
@@ -266,6 +268,7 @@ class BatchGenerator:
         row = Row(uid, ids, int(max_tokens), sampling, value, seed is not None, frozenset(stop_ids),
                    draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
+        row.images = images
         row.processing = _processing(penalties, grammar, logprobs, len(ids), self.target.vocab_size,
                                      pipelined=self.lockstep is not ALONE)
         self.lockstep.inserting(self, row)
@@ -441,7 +444,7 @@ class BatchGenerator:
         """Leave the state the row reached in the prefix cache (for its owner: in place of the
         ones its earlier rows left)."""
         cache.truncate([row.length])  # undo what was queued past the tokens handed out
-        row.pinned.append(self.prefix.store((row.prompt + row.tokens)[: row.length], cache, pin=row.owner))
+        row.pinned.append(self.prefix.store((row.key + row.tokens)[: row.length], cache, pin=row.owner))
         if row.owner is not None:
             self.prefix.release(row.owner, keep=row.pinned)
 

@@ -162,11 +162,11 @@ class _Track:
         return self.window is not None
 
     def write(self, positions: mx.array, length: int, end: int, first: Optional[int], single: bool,
-              fixed: bool) -> tuple[_Write, Optional[mx.array]]:
+              fixed: bool, blocks: Optional[tuple] = None) -> tuple[_Write, Optional[mx.array]]:
         """Store a forward's new positions (B, length) in the slots; return the write plan and the
         mask. `end`: 1 + the last position any row writes; `first`: every row's first new position
         where all rows have one known length (None: rows apart). A fixed step attends over the
-        whole buffer, masked, so that its shapes stay the same."""
+        whole buffer, masked, so that its shapes stay the same. `blocks`: see `KVCache.begin` (rings only)."""
         C = self.capacity
         if not self.ring:
             start = None if first is None else mx.array([first], dtype=mx.int32)
@@ -185,14 +185,14 @@ class _Track:
             kpos = mx.concatenate([self.pos[:, old[0] : old[1]], positions], axis=1)
             write = _Write(slots[:, length - n :], n, True, old, C, start)
             self.pos = write.store(self.pos, positions[:, length - n :], axis=1)
-            return write, _visible(kpos, positions, W)
-        if single and length == 1 and end <= C and not fixed:  # not wrapped yet: the window is a plain slice
+            return write, _visible(kpos, positions, W, blocks)
+        if single and length == 1 and end <= C and not fixed and blocks is None:  # not wrapped yet: the window is a plain slice
             write = _Write(slots, length, False, (max(0, end - W), end), C, start)
             self.pos = write.store(self.pos, positions, axis=1)
             return write, None
         write = _Write(slots, length, False, None, C, start)
         self.pos = write.store(self.pos, positions, axis=1)
-        return write, _visible(self.pos, positions, W)
+        return write, _visible(self.pos, positions, W, blocks)
 
 
 class _Sizer:
@@ -294,8 +294,11 @@ class KVCache:
 
     # ---- forward pass ---------------------------------------------------------------
 
-    def begin(self, length: int) -> Step:
-        """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1."""
+    def begin(self, length: int, blocks: Optional[tuple] = None) -> Step:
+        """Reserve slots for `length` new tokens per row at positions offset .. offset + length - 1.
+        `blocks`: (starts, ends), each (B, M) int32, the absolute positions [start, end) of runs whose
+        tokens see each other on sliding layers, within the window's look-back (Gemma 4's images;
+        empty runs start = end). Every run lies wholly in this forward."""
         positions = self.offset[:, None] + mx.array(np.arange(length, dtype=np.int32))  # a constant: no graph node
         end = int(self.bound.max(initial=0)) + length
         self.sizer.grow(end)
@@ -308,7 +311,8 @@ class KVCache:
         first = int(self.bound[0]) if aligned else None
         masks, writes = {}, {}
         for name, track in self.tracks.items():
-            writes[name], masks[name] = track.write(positions, length, end, first, single, fixed)
+            writes[name], masks[name] = track.write(positions, length, end, first, single, fixed,
+                                                    blocks if track.ring else None)
         self.offset = self.offset + length
         self.bound = self.bound + length
         self.top = np.maximum(self.top, self.bound)
@@ -485,13 +489,24 @@ def _forget(pos: mx.array, offset: mx.array) -> mx.array:
 
 
 @small  # one kernel for the comparisons, per step and attention type
-def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int]) -> mx.array:
-    """(B, 1, L, T): key slot at kpos is visible to the query at qpos."""
+def _visible(kpos: mx.array, qpos: mx.array, window: Optional[int], blocks: Optional[tuple] = None) -> mx.array:
+    """(B, 1, L, T): key slot at kpos is visible to the query at qpos (also a later key of the
+    query's block, `KVCache.begin`)."""
     k, q = kpos[:, None, :], qpos[:, :, None]
     visible = (k >= 0) & (k <= q)
+    if blocks is not None:
+        qb, kb = _block_of(qpos, *blocks), _block_of(kpos, *blocks)
+        visible = visible | ((k >= 0) & (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0))
     if window is not None:
         visible = visible & (k > q - window)
     return visible[:, None]
+
+
+def _block_of(pos: mx.array, starts: mx.array, ends: mx.array) -> mx.array:
+    """(B, N): index of the run holding each position (B, N), -1 for none (runs do not overlap)."""
+    inside = (pos[:, :, None] >= starts[:, None, :]) & (pos[:, :, None] < ends[:, None, :])
+    index = mx.arange(starts.shape[1], dtype=mx.int32)
+    return mx.max(mx.where(inside, index, -1), axis=-1)
 
 
 def _fit(buf: mx.array, capacity: int, fill, axis: int) -> mx.array:

@@ -35,6 +35,7 @@ from .stats import Stats
 HELP = """commands:
   /reset   start over (the system message stays)
   /stats   details of the last reply and the KV cache
+  /image PATH  show the model an image with your next message (a model with a vision tower)
   /help    this help
   /quit    leave (so do quit, exit, end of input, Ctrl-D)
 Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
     ap.add_argument("--prompt", help="answer this one message and exit (default: a conversation, one message "
                                      "per line)")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image to show the model with the first message (repeatable; /image PATH in the chat; "
+                         "default: none)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
                                                        "what the demo pair, a code model, does best (default: off)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -204,6 +208,7 @@ def details(session: Session) -> str:
 
 def answer(session: Session, text: str, options: dict) -> None:
     stream, printer, replied = session.reply(text, **options), Printer(session.enable_thinking), False
+    options.pop("images", None)  # shown with this message
     try:
         with ctrl_c() as stop:
             for event in stream:
@@ -310,6 +315,24 @@ def ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
+def attach(session, options: dict, path: str):
+    """Show the image at `path` with the next message: the session becomes an `ImageChat` (the
+    conversation so far carried over) and `options` carry the image until that message is sent."""
+    from .chat_images import ImageChat, check_image
+
+    try:
+        if isinstance(session, Completion):
+            raise ValueError("--raw completes text: images go with chat messages")
+        check_image(path)
+        if not isinstance(session, ImageChat):
+            session = ImageChat(session.engine, list(session.messages), session.enable_thinking)  # system first
+        options.setdefault("images", []).append(path)
+        print(f"(image {path} goes with your next message)", file=sys.stderr)
+    except ValueError as e:  # ImageError: not an image, a model without a tower
+        print(f"error: {e}", file=sys.stderr)
+    return session
+
+
 def lines(interactive: bool) -> Iterator[str]:
     while True:
         try:
@@ -336,6 +359,8 @@ def repl(session: Session, options: dict, interactive: bool) -> None:
             print("(new conversation)")
         elif command == "/stats":
             print(details(session))
+        elif command.startswith("/image"):
+            session = attach(session, options, command[len("/image"):].strip())
         elif command.startswith("/"):
             print(f"unknown command {command}; /help lists them")
         elif command:
@@ -375,6 +400,10 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
             session: Session = Completion(engine)
         else:
             session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine)
+        for path in args.image:
+            session = attach(session, options, path)
+        if len(options.get("images", ())) != len(args.image):
+            return 2
         if args.prompt is not None:
             return answer_once(session, args.prompt, options)
         return converse(session, options)

@@ -330,7 +330,7 @@ def _turns(messages: Sequence[Mapping], openers: tuple[str, str], continue_final
             out.append(_tool_response(name, m.get("content")))
             in_turn = True
         else:
-            out.append((TURN_END + "\n" if in_turn else "") + f"{TURN}{role}\n{_text(m.get('content')).strip()}"
+            out.append((TURN_END + "\n" if in_turn else "") + f"{TURN}{role}\n{_user_text(m.get('content'))}"
                        f"{TURN_END}\n")
             in_turn = False
     return "".join(out) + (after_tool if in_turn else after_user)
@@ -378,6 +378,16 @@ def _tool_response(name: str, content: Any) -> str:
     else:
         body = "value:" + _argument(_text(content))
     return f"{TOOL_RESPONSE}response:{name}{{{body}}}{TOOL_RESPONSE_END}"
+
+
+def _user_text(content: Any) -> str:
+    """A user or system message as Gemma 4's template writes it: text trimmed, and an image part as
+    its placeholder, each part trimmed on its own where the content has an image."""
+    if not isinstance(content, (list, tuple)) or not any(isinstance(p, Mapping) and p.get("type") == "image"
+                                                         for p in content):
+        return _text(content).strip()
+    return "".join("<|image|>" if p.get("type") == "image" else (p.get("text") or "").strip()
+                   for p in content if isinstance(p, Mapping))
 
 
 def _text(content: Any) -> str:

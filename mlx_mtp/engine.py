@@ -134,7 +134,7 @@ class Engine:
         request.check()
         if request.conversation is not None:
             raise ValueError("only a one-shot request's prompt can be counted")
-        return len(self._prepare.render(request)[0])
+        return self._prepare.count(request)
 
     def cached(self, tokens: Sequence[int], timeout: Optional[float] = None) -> int:
         """How many leading `tokens` the prefix cache can restore now (asked of the worker, after

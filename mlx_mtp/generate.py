@@ -46,11 +46,14 @@ def generate_tokens(
     stop_ids: Sequence[int] = (),
     seed: Optional[int] = None,
     stats: Optional[Stats] = None,
+    images=None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield (token, from_draft) for one sequence of token ids; plain decoding without a drafter.
-    The output equals plain decoding's exactly (greedy) or in distribution (sampling)."""
+    The output equals plain decoding's exactly (greedy) or in distribution (sampling). `images`:
+    the prompt's images (`gemma4_vision.PromptImages`)."""
     gen = BatchGenerator(target, drafter, draft_tokens=draft_tokens)
-    uid = gen.insert(prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids, stats=stats)
+    uid = gen.insert(prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=stop_ids, stats=stats,
+                     images=images)
     try:
         with memory.generating(target, drafter):
             for event in row_events(gen, uid):

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .chat_format import stop_tokens
+from .vision import encoder_for
 from .drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
@@ -228,11 +229,12 @@ class Loaded(NamedTuple):
     tokenizer: Any
     drafter: Optional[nn.Module]
     eos_ids: frozenset
+    vision: Any = None  # `vision.VisionEncoder` of a checkpoint with a vision tower (loaded with the first image)
 
 
 def load(
     model: Union[str, Path], drafter: Union[str, Path, None] = None, dtype: Optional[mx.Dtype] = None,
-    ngram: bool = False,
+    ngram: bool = False, load_vision: bool = False,
 ) -> Loaded:
     """Load a Gemma 4 target and what drafts for it.
 
@@ -242,6 +244,8 @@ def load(
             needed), or None for plain decoding.
         dtype: compute dtype of floating-point weights (default: the checkpoint's).
         ngram: with an MTP drafter, use the n-gram proposal where it is long (hybrid).
+        load_vision: read a vision tower now rather than with the first image (which then waits
+            for it); text-only use never reads it.
 
     Raises:
         ModelKindError: `model` is a drafter, or `drafter` is not one.
@@ -259,7 +263,10 @@ def load(
         if ngram:
             draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())
     tokenizer = load_tokenizer(path)
-    return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer))
+    vision = encoder_for(path, config, dtype)
+    if vision is not None and load_vision:
+        vision.load()
+    return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer), vision)
 
 
 def load_drafter(drafter: Union[str, Path], target, dtype: Optional[mx.Dtype] = None) -> nn.Module:

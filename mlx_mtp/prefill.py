@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .models.base import TargetModel
+from .models.base import TargetModel, TargetOutput
 from .prefix_cache import PrefixCache
 from .processors import Processors, row_logprobs
 from .row import Row, RowEvent
@@ -74,7 +74,7 @@ class Prefill:
         """Leave what a cancelled row's prefill computed in the prefix cache, so a retry resumes
         there: its chunks end on the grid (or at marks), as the retry's will."""
         if self.prefix is not None and row.cache is not None and row.fed > row.start:
-            if self.prefix.store(row.prompt[: row.fed], row.cache) is not None:
+            if self.prefix.store(row.key[: row.fed], row.cache) is not None:
                 row.stats.stored_tokens = row.fed - row.start
         row.cache = None
 
@@ -114,7 +114,10 @@ class Prefill:
         row.began = time.perf_counter()
         row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
         if self.prefix is not None:
-            row.start = row.fed = self.prefix.resume(row.prompt, row.cache)
+            row.start = row.fed = self.prefix.resume(row.key, row.cache)
+            if row.images is not None and row.images.cut(0, row.fed) != row.fed:  # never resume inside an image
+                row.cache = self.target.make_cache(1, max_rollback=MAX_ROLLBACK)
+                row.start = row.fed = 0
         row.stats.cached_tokens = row.start  # known from here on
 
     def _end(self, row: Row) -> int:
@@ -126,7 +129,8 @@ class Prefill:
         if row.fed >= last:
             return last + 1
         grid = (row.fed // self.chunk + 1) * self.chunk
-        return min(grid, last, *(m for m in row.marks if m > row.fed))
+        end = min(grid, last, *(m for m in row.marks if m > row.fed))
+        return end if row.images is None else row.images.cut(row.fed, end)  # an image is one forward's
 
     # ---- the forward ----------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class Prefill:
         prompt it finished, each (1, 1, ...)."""
         wanted = [end == len(row.prompt) for row, end in pieces]
         chunks = [mx.array([row.prompt[row.fed : end]], dtype=mx.int32) for row, end in pieces]
-        out = self.target.ragged(chunks, [row.cache for row, _ in pieces], wanted)
+        out = _ragged(self.target, pieces, chunks, wanted)
         self.forwards, self.pieces = self.forwards + 1, self.pieces + len(pieces)
         for row, end in pieces:
             self._reached(row, end)
@@ -151,7 +155,7 @@ class Prefill:
         self.stats.prompt_tokens += fed - row.fed  # as it is done, so cancelled prefills count too
         row.fed = fed
         if self.prefix is not None and fed in row.marks:
-            row.pinned.append(self.prefix.store(row.prompt[:fed], row.cache, pin=row.owner))
+            row.pinned.append(self.prefix.store(row.key[:fed], row.cache, pin=row.owner))
             if row.pinned[-1] is not None:
                 row.stats.stored_tokens = fed - row.start
 
@@ -182,6 +186,30 @@ class Prefill:
             joined.append((row, BatchState(row.first, hidden[:, -1], seeds[i], tokens)))
         mx.async_eval(first, *[a for row, _, _ in done for a in row.first_logprobs or () if a is not None])
         return joined
+
+
+def _ragged(target: TargetModel, pieces: list, chunks: list, wanted: list):
+    """`target.ragged` over the pieces, except that a piece holding image soft tokens runs in a forward
+    of its own (its placed images, and on the 26B/31B its mask); the text pieces still run side by
+    side. Outputs as `ragged` gives them: the wanted rows' last positions, in order."""
+    placed = [row.images.rows(row.fed, end - row.fed) if row.images is not None else None for row, end in pieces]
+    if all(p is None for p in placed):
+        return target.ragged(chunks, [row.cache for row, _ in pieces], wanted)
+    outs = {}  # piece -> (logits, hidden) of its last position, for the wanted pieces
+    text = [i for i, p in enumerate(placed) if p is None]
+    if text:
+        out = target.ragged([chunks[i] for i in text], [pieces[i][0].cache for i in text], [wanted[i] for i in text])
+        for j, i in enumerate(i for i in text if wanted[i]):
+            outs[i] = out.logits[j : j + 1], out.hidden[j : j + 1]
+    for i, images in enumerate(placed):
+        if images is not None:
+            out = target(chunks[i], pieces[i][0].cache, keep=1 if wanted[i] else 0, images=images)
+            if wanted[i]:
+                outs[i] = out.logits, out.hidden
+    if not outs:
+        return TargetOutput(None, None, {})
+    order = sorted(outs)
+    return TargetOutput(*(mx.concatenate([outs[i][k].reshape(1, 1, -1) for i in order]) for k in (0, 1)), {})
 
 
 def _first_token(row: Row, logits: mx.array, processors: Optional[Processors], prompt: mx.array,

@@ -182,6 +182,7 @@ class Prepared:
     boundaries: list
     chat: Optional[Prompt] = None
     grammar: object = None
+    images: object = None  # the prompt's images (`gemma4_vision.PromptImages`), placed in `tokens`
 
 
 class RequestHandle:

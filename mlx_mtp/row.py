@@ -54,11 +54,18 @@ class Row:
     processing: RowProcessing = RowProcessing()
     first_logprobs: Optional[tuple] = None
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # of this row's drafts
+    images: Optional[object] = None  # the prompt's images (`gemma4_vision.PromptImages`); None: text only
 
     @functools.cached_property
     def ids(self) -> np.ndarray:
-        """The prompt as an array (compared with other prompts while queued)."""
-        return np.asarray(self.prompt, dtype=np.int64)
+        """The prompt as the prefix cache knows it, as an array (compared with other prompts while queued)."""
+        return np.asarray(self.key, dtype=np.int64)
+
+    @functools.cached_property
+    def key(self) -> list:
+        """The prompt as the prefix cache keys it: each image's placeholders replaced by ids drawn from
+        its content (negative: never a token), so that only the same image matches."""
+        return self.prompt if self.images is None else self.images.keyed(self.prompt)
 
     @property
     def length(self) -> int:

@@ -312,7 +312,7 @@ class Worker:
         if history is not None:
             return history.insert(self.gen, turn, **options)
         return self.gen.insert(prepared.tokens, max_tokens=max_tokens, stop_ids=self.loaded.eos_ids,
-                               boundaries=prepared.boundaries, **options)
+                               boundaries=prepared.boundaries, images=prepared.images, **options)
 
     def _cancel_rows(self) -> None:
         for uid, run in self._running.items():

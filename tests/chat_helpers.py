@@ -77,12 +77,12 @@ def gemma4_vocab(size: int = 128) -> dict:
     return vocab
 
 
-def write_gemma4_tokenizer(path: Path, template: Optional[str] = None) -> None:
+def write_gemma4_tokenizer(path: Path, template: Optional[str] = None, vocab: Optional[dict] = None) -> None:
     """A character-level tokenizer with Gemma 4's control tokens (at their real ids), as
     `tokenizer.json` + `tokenizer_config.json` in `path`; `template` becomes `chat_template.jinja`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = gemma4_vocab()
+    vocab = vocab or gemma4_vocab()
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
@@ -96,3 +96,29 @@ def write_gemma4_tokenizer(path: Path, template: Optional[str] = None) -> None:
     }, indent=1))
     if template is not None:
         (path / "chat_template.jinja").write_text(template)
+
+
+# ---- a tiny chat model that takes images -----------------------------------------------------------
+
+VISION = Path(__file__).parent / "fixtures" / "vision"
+IMAGE_SPECIALS = {"<|image>": 120, "<|image|>": 121, "<image|>": 122}  # the vision fixtures' ids
+GEMMA4_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma4-large-2026-07-14.jinja"
+
+
+def make_vision_chat_model(dest: Path, variant: str = "bidir") -> Path:
+    """A copy of a vision fixture (tests/fixtures/vision/<variant>) as a chat model (`write_vision_chat_files`)."""
+    shutil.copytree(VISION / variant, dest)
+    return write_vision_chat_files(dest)
+
+
+def write_vision_chat_files(dest: Path) -> Path:
+    """The Gemma 4 tokenizer (its image tokens at the vision fixtures' ids), the released 26B/31B chat
+    template and a budget of 70 soft tokens, written into the checkpoint at `dest`."""
+    vocab = {t: i for t, i in gemma4_vocab().items() if i not in IMAGE_SPECIALS.values()}
+    write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), {**vocab, **IMAGE_SPECIALS})
+    gen = json.loads((dest / "generation_config.json").read_text())
+    gen["eos_token_id"] = GEMMA4_EOS
+    (dest / "generation_config.json").write_text(json.dumps(gen))
+    # the tiny tower's position table (32) takes grids up to 32 patches a side: the smallest budget
+    (dest / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 70}}))
+    return dest

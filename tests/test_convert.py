@@ -90,10 +90,10 @@ def test_bfloat16_conversion_equals_bfloat16_load(tmp_path, name):
 def test_wrapper_uses_mlx_lm_names(tmp_path):
     out = convert(SOURCES["wrapper"], tmp_path / "out", quantize=True, group_size=32, progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert all(k.startswith("language_model.model.") for k in index["weight_map"])
-    assert not any("vision" in k for k in index["weight_map"])
+    text = [k for k in index["weight_map"] if not k.startswith(("vision_tower.", "embed_vision."))]
+    assert all(k.startswith("language_model.model.") for k in text) and len(text) < len(index["weight_map"])
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "gemma4" and "vision_config" not in config
+    assert config["model_type"] == "gemma4" and "vision_config" in config  # the tower is kept (tests/test_vision_convert.py)
     assert config["vocab_size"] == config["text_config"]["vocab_size"] == 128
 
 
@@ -437,4 +437,6 @@ def test_default_4bit_recipe_matches_mlx_community(google, community):
     _, config, weights = plan(REAL / f"google--{google}", quantize=True, shapes_only=True, progress=False)
     theirs = json.loads((REAL / f"mlx-community--{community}" / "config.json").read_text())["quantization"]
     assert normal(config["quantization"]) == normal(theirs)
-    assert all(k.startswith("language_model.model.") for k in weights)
+    vision = ("vision_tower.", "embed_vision.")  # kept in --dtype (tests/test_vision_convert.py)
+    assert all(k.startswith("language_model.model.") for k in weights if not k.startswith(vision))
+    assert not any(k.endswith(".scales") for k in weights if k.startswith(vision))

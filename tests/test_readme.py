@@ -23,3 +23,4 @@ def test_readme_python_examples_run_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tok/s" in out.stdout and "['length', 'length', 'length', 'length']" in out.stdout
     assert "terminate called" not in out.stderr
+    assert re.search(r"(length|stop) \d+ prompt tokens, the image's among them", out.stdout)  # the image example

@@ -129,6 +129,8 @@ def test_stop_strings_and_length_with_parsing(client):
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "JSON object"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     None, "takes no images"),  # the scripted model has no vision tower
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content", "text parts"),
 ])
 def test_bad_tool_requests_get_a_one_line_400(scripted_server, extra, param, match):

@@ -499,18 +499,23 @@ class TextModel(nn.Module):
         return (0, self.cfg.num_hidden_layers) if self.pipeline is None else self.pipeline.span
 
     def __call__(self, ids: mx.array, step: Union[Step, Ragged],
-                 keep: Optional[int] = None) -> Optional[mx.array]:
+                 keep: Optional[int] = None, images=None) -> Optional[mx.array]:
         """Hidden states of ids (B, L) as (B * L, H) rows, or of only the last `keep` positions of
         each row (None for keep=0). Tokens stay rows of a 2D array from layer to layer (a Linear
         of a 3D array flattens and unflattens it: two more graph nodes). A pipeline stage before
         the last hands its output to the next rank and returns None. A ragged step (B = 1: several
-        sequences side by side) keeps the last position of each wanted sequence instead."""
+        sequences side by side) keeps the last position of each wanted sequence instead. `images`
+        (`gemma4_vision.ImageRows`): soft tokens that replace the embeddings of some rows."""
         cfg = self.cfg
         B, L = ids.shape
         H = cfg.hidden_size
         first, end = self.span
         flat = ids.reshape(B * L)
+        if images is not None:  # an image's rows embed as the pad id (0), then take its soft tokens
+            flat[images.rows] = 0
         x = self.embed(flat) if first == 0 else self.pipeline.receive((B, L, H)).reshape(B * L, H)
+        if images is not None and first == 0:
+            x[images.rows] = images.features.astype(x.dtype)
         ple = self.per_layer_inputs(flat, x) if cfg.hidden_size_per_layer_input else None
         shared = max(first, min(end, cfg.first_shared_layer))
         x, kvs = self._layers(range(first, shared), x, step, ple, {})
@@ -582,10 +587,14 @@ class Model(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, keep: Optional[int] = None) -> TargetOutput:
+    def __call__(self, tokens: mx.array, cache: Optional[KVCache] = None, keep: Optional[int] = None,
+                 images=None) -> TargetOutput:
         """Forward `tokens` (B, L) after what `cache` holds. `keep`: only the last `keep`
-        positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None."""
+        positions' outputs are wanted (prompt processing); keep=0 returns logits=hidden=None.
+        `images` (`gemma4_vision.ImageRows`): image soft tokens in this forward's rows."""
         cache = cache if cache is not None else self.make_cache(tokens.shape[0])
+        if images is not None:
+            return self._with_images(tokens, cache, keep, images)
         step = cache.begin(tokens.shape[1])
         # Pipeline sends and the router record are side effects, and the CPU's grouped experts read
         # the routing on the host (models/quantized.py): they run uncompiled.
@@ -618,9 +627,21 @@ class Model(nn.Module):
             return TargetOutput(None, None, {})
         return TargetOutput(logits[:, None], hidden[:, None], {})
 
-    def _forward(self, tokens: mx.array, step: Step, keep: Optional[int]) -> tuple:
+    def _with_images(self, tokens: mx.array, cache: KVCache, keep: Optional[int], images) -> TargetOutput:
+        """A forward whose rows hold image soft tokens: uncompiled, and on the 26B/31B (flag "vision")
+        each image's tokens see each other on sliding layers (transformers' mask; full layers causal)."""
+        if self.pipeline is not None:
+            raise ValueError("images are not supported across a pipeline group")
+        bidirectional = self.config.use_bidirectional_attention == "vision"
+        step = cache.begin(tokens.shape[1], images.blocks if bidirectional else None)
+        with forward_tokens(tokens.shape[1]):
+            logits, hidden, keys, values = self._forward(tokens, step, keep, images)
+        cache.keys[:], cache.values[:] = keys, values
+        return TargetOutput(logits, hidden, self.shared_kv(cache))
+
+    def _forward(self, tokens: mx.array, step: Step, keep: Optional[int], images=None) -> tuple:
         """(logits, hidden, K buffers, V buffers) of one forward."""
-        hidden = self.model(tokens, step, keep)
+        hidden = self.model(tokens, step, keep, images)
         if hidden is None:
             return None, None, step.keys, step.values
         shape = (tokens.shape[0], hidden.shape[0] // tokens.shape[0])

@@ -174,9 +174,26 @@ def _user(blocks: list, i: int, names: dict, asked: set) -> list:
             name = names.get(call_id)
             results.append({"role": "tool", "tool_call_id": call_id, "content": content,
                             **({"name": name} if name else {})})
+        elif kind == "image":
+            text.append(_image(block, f"{where}.content[{j}]"))
         else:
             text.append(_block_text(block, f"{where}.content[{j}]"))
+    if any(isinstance(t, dict) for t in text):  # images: the content as parts (`mlx_mtp.vision`)
+        parts = [t if isinstance(t, dict) else {"type": "text", "text": t} for t in text]
+        return results + [{"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])
+
+
+def _image(block: dict, where: str) -> dict:
+    """An `image` block as an image part: base64 data (or a URL, where the server fetches them)."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type") or "image/png"
+        return {"type": "image", "image": f"data:{media};base64,{source['data']}"}
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image", "url": source["url"]}
+    raise invalid(f"{where}.source", f"{where}.source must be {{\"type\": \"base64\", \"media_type\": ..., "
+                  "\"data\": ...}} or {{\"type\": \"url\", \"url\": ...}}")
 
 
 def _assistant(blocks: list, where: str, names: dict) -> list:

@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
                             "adapt with python -m mlx_mtp.learn)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
+    ap.add_argument("--allow-image-urls", action="store_true",
+                    help="fetch http(s) image URLs in requests (default: off, images come as base64 data only)")
+    ap.add_argument("--load-vision", action="store_true",
+                    help="read the vision tower at start (default: with the first image; text-only use never reads it)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (default: info)")
     return ap
@@ -100,7 +104,10 @@ def load_model(args):
     if model is None:
         model, demo_drafter = demo_pair()
         drafter, dtype, name = drafter or demo_drafter, dtype or "float32", DEMO_ID
-    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None)
+    loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None,
+                  load_vision=getattr(args, "load_vision", False))
+    if loaded.vision is not None:
+        loaded.vision.fetch_urls = getattr(args, "allow_image_urls", False)
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: the server needs one")
     args.drafter_dir = drafter if drafter not in (None, "ngram") else None

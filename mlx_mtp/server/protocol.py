@@ -229,7 +229,9 @@ def _messages(messages: Any) -> list:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise invalid(f"messages[{i}]", f"messages[{i}] needs a `role` among {', '.join(ROLES)}")
         role = ROLES[message["role"]]
-        m = {"role": role, "content": _content(message.get("content"), i, optional=role == "assistant")}
+        content = message.get("content")
+        m = {"role": role, "content": _image_content(content, i) if _has_images(content) and role in ("user", "system")
+             else _content(content, i, optional=role == "assistant")}
         if role == "assistant":
             m.update(_history_calls(message, i, names))
             asked = {call["id"] for call in m.get("tool_calls", ())}
@@ -247,6 +249,32 @@ def _content(content: Any, i: int, optional: bool = False) -> Optional[str]:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+
+def _image_content(content: list, i: int) -> list:
+    """A user message's text and `image_url` parts (a data URL, or http(s) where the server fetches
+    them), as chat templates take them (`mlx_mtp.vision`)."""
+    parts = []
+    for j, p in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(p, dict) or p.get("type") not in ("text", "image_url"):
+            raise invalid(where, f"{where} must be a text or an image_url part")
+        if p["type"] == "text":
+            if not isinstance(p.get("text"), str):
+                raise invalid(where, f"{where}.text must be a string")
+            parts.append({"type": "text", "text": p["text"]})
+            continue
+        url = p.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise invalid(where, f'{where} must be {{"type": "image_url", "image_url": {{"url": ...}}}}')
+        detail = p["image_url"].get("detail") if isinstance(p.get("image_url"), dict) else None
+        parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
+    return parts
 
 
 def _history_calls(message: dict, i: int, names: dict) -> dict:

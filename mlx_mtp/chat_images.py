@@ -1,0 +1,80 @@
+"""The terminal chat once an image is in it (`/image PATH`, `--image PATH`).
+
+An engine conversation takes text turns; a chat with images sends, each turn, one request with the
+whole conversation as messages (each image a part of the message it came with). The prefix cache
+restores what the turns before computed, an image by its content, so a turn prefills only what is
+new, as a conversation's does.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+from .images import ImageError
+from .requests import Request, TokenEvent
+from .stats import Stats
+
+
+class ImageChat:
+    """What the chat's REPL uses of a `Conversation` (reply, reset, cached_tokens, last_stats,
+    enable_thinking), for a conversation with images.
+
+    Args:
+        engine: the chat's engine (its model must have a vision tower).
+        messages: the conversation so far (a `Conversation`'s messages, its system message first).
+        enable_thinking: the template's switch for reasoning before the answer.
+    """
+
+    def __init__(self, engine, messages: Sequence[dict] = (), enable_thinking: bool = False):
+        if getattr(engine.loaded, "vision", None) is None:
+            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
+        self.engine, self.loaded = engine, engine.loaded
+        self.enable_thinking = enable_thinking
+        self.messages = [dict(m) for m in messages]
+        self._start = [m for m in self.messages if m.get("role") == "system"]
+        self.tokens: list[int] = []
+        self.last_stats: Optional[Stats] = None
+
+    def reply(self, text: str, max_tokens: int = 256, images: Sequence = (), **options) -> Iterator[TokenEvent]:
+        """Add a user message (with `images`: paths, bytes or PIL images, before its text) and stream
+        the reply, which joins the conversation as streamed."""
+        content = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]
+        messages = [*self.messages, {"role": "user", "content": content}]
+        request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking, **options)
+        handle = self.engine.submit(request)
+        self.messages, self.last_stats = messages, handle.stats
+        prepared = handle._prepared  # its tokens as the prefix cache keys them (an image by its content)
+        self.tokens = [] if prepared is None else (list(prepared.tokens) if prepared.images is None
+                                                   else prepared.images.keyed(prepared.tokens))
+        return self._stream(handle)
+
+    def _stream(self, handle) -> Iterator[TokenEvent]:
+        reply: list[str] = []
+        try:
+            for event in handle:
+                if event.kind == "error":
+                    raise event.error
+                if event.kind == "done":
+                    self.last_stats = event.stats
+                    return
+                self.tokens.append(event.token)
+                reply += [p.text for p in event.parts if p.kind == "content"]
+                yield event
+        finally:
+            handle.cancel()  # closed early: stop generating (a no-op once it ended)
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def cached_tokens(self) -> int:
+        return self.engine.cached(self.tokens)
+
+    def reset(self) -> None:
+        """Forget every turn (the system message stays)."""
+        self.messages, self.tokens, self.last_stats = [dict(m) for m in self._start], [], None
+
+
+def check_image(path: str) -> str:
+    """`path` if it is an image file the encoder can read (ImageError saying why not)."""
+    from .images import open_image
+
+    open_image(path)
+    return path
