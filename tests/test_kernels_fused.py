@@ -208,12 +208,12 @@ def attention_layer(k_eq_v: bool, layer: int):
     return cfg, attn
 
 
-def joined(*layers):
-    """q/k/v (or gate/up) quantized layers as the joined layer of the portable fusion (rows in order)."""
-    out = QuantizedLinear(layers[0].weight.shape[1] * 32 // layers[0].bits, 16, bias=False,
-                          group_size=layers[0].group_size, bits=layers[0].bits)
+def rows(layer, a, b):
+    """Output rows a..b-1 of a quantized layer (a joined gate/up's gate or up) as a layer of their own."""
+    out = QuantizedLinear(layer.weight.shape[1] * 32 // layer.bits, 16, bias=False,
+                          group_size=layer.group_size, bits=layer.bits)
     for name in ("weight", "scales", "biases"):
-        out[name] = mx.concatenate([p[name] for p in layers])
+        out[name] = layer[name][a:b]
     return out
 
 
@@ -229,13 +229,10 @@ def test_the_attention_input_reference_is_the_models_projection_norms_and_rope(k
     positions = (mx.array([[5], [70]]) + mx.arange(L)).astype(mx.int32)
     step = Step(positions=positions, offset=positions[:, 0], masks={}, writes={}, scratch={})
     with force_fused(True):
-        q, k, v = attn._project(rms_norm(x, norm_w, cfg.rms_norm_eps), B, L, True)
-        q, k = (attn.rope(t.transpose(0, 2, 1, 3), step) for t in (q, k))
-        v = v.transpose(0, 2, 1, 3)
+        q, k, v = attn._rotate(*attn._project(rms_norm(x, norm_w, cfg.rms_norm_eps), B, L, True), step)
     kv = 1 if attn.k_eq_v else 2
-    qkv = joined(attn.q_proj, attn.k_proj, *([attn.v_proj] if kv == 2 else []))
-    want = attn_input.reference(x, norm_w, qkv, attn.q_norm.weight, attn.k_norm.weight, positions,
-                                attn.rope.inverse, attn.n_heads, attn.head_dim, kv, cfg.rms_norm_eps)
+    want = attn_input.reference(x, norm_w, attn.qkv_proj, attn.q_norm.weight, attn.k_norm.weight, positions,
+                                attn.rope.pairs, attn.n_heads, attn.head_dim, kv, cfg.rms_norm_eps)
     for got, ref in zip((q, k, v), want):
         assert got.shape == ref.shape and close(got, ref, 1e-4)
 
@@ -251,13 +248,13 @@ def test_the_mlp_and_residual_references_are_the_models_math():
     w, w1, w2, w_next = (normal((96,), s, F32, 0.3) + 1 for s in (26, 27, 28, 29))
     scalar = mx.array([0.7])
     with force_fused(True):
-        xn = rms_norm(x, w, 1e-6)
-        glu = gemma4.gelu_tanh_glu(mlp.gate_proj(xn), mlp.up_proj(xn))
+        glu = gemma4.gelu_tanh_glu(*mx.split(mlp.gate_up_proj(rms_norm(x, w, 1e-6)), 2, axis=-1))
         f = rms_norm(y, w1, 1e-6) + rms_norm(y2, w2, 1e-6)
         h = (x + rms_norm(f, w, 1e-6)) * scalar
         hn = rms_norm(h, w_next, 1e-6)
-    assert close(glu, ffn.reference_dense(x, w, joined(mlp.gate_proj, mlp.up_proj), None, 1e-6), 1e-4)
-    assert close(glu, ffn.reference_dense(x, w, mlp.gate_proj, mlp.up_proj, 1e-6), 1e-4)
+    gate, up = (rows(mlp.gate_up_proj, a, a + 64) for a in (0, 64))
+    assert close(glu, ffn.reference_dense(x, w, mlp.gate_up_proj, None, 1e-6), 1e-4)
+    assert close(glu, ffn.reference_dense(x, w, gate, up, 1e-6), 1e-4)
     want_h, want_hn = glue.reference(x, y, w, 1e-6, scalar, (w1, y2, w2), w_next)
     assert close(h, want_h, 1e-5) and close(hn, want_hn, 1e-5)
 

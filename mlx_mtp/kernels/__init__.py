@@ -5,7 +5,8 @@ row computed as if alone, so a verify costs about one decode step and equals the
 One module per kernel family, the CUDA source beside it (`qmm`: quantized matmuls and MoE experts,
 `sdpa`: attention; issue 42's fused ones, each a few of a layer's ops in one kernel: `attn_input`,
 `ffn`, `glue`); `dispatch` decides which product takes which kernel and says why. The entry points
-below return None where MLX's kernel is the one to run; models call them on the GPU path only.
+below return None where MLX's kernel is the one to run (at once off CUDA): models call the fused ones on
+every backend, the others on the GPU path.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def glu_experts(glu, x: mx.array, idx: mx.array) -> mx.array:
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
-              scale: float = 1.0) -> Optional[mx.array]:
-    """softmax(q keys^T * scale, mask) values for decode and verify steps, or None."""
+              scale: float = 1.0, flat: bool = False) -> Optional[mx.array]:
+    """softmax(q keys^T * scale, mask) values for decode and verify steps (with one query per row and
+    `flat`: as (B, heads * D)), or None."""
     if dispatch.attention(q, keys, values, mask, scale):
         return None
-    return sdpa.attention(q, keys, values, mask)
+    return sdpa.attention(q, keys, values, mask, (q.shape[0], q.size // q.shape[0]) if flat else None)
 
 
 def attention_input(x: mx.array, norm_w: mx.array, qkv, q_norm: mx.array, k_norm: Optional[mx.array],

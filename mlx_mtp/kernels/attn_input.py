@@ -46,6 +46,8 @@ def supports(x: mx.array, norm_w: mx.array, qkv, q_norm: mx.array, k_norm: Optio
     """Why the kernel cannot take this attention input ('' when it can)."""
     rows = x.size // x.shape[-1]
     reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
+    if not reason and "scales" not in qkv:
+        reason = "an unquantized projection"
     reason = reason or qmm.supports(x.dtype, qkv["weight"], qkv["scales"], qkv.get("biases"), qkv.group_size,
                                     qkv.bits, qkv.mode)
     if reason:

@@ -111,23 +111,33 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     return _why_not("attention", sdpa.supports(q, keys, values, mask, scale))
 
 
+def _fused(family: str, why) -> str:
+    """`_why_not` for a fused kernel, its conditions `why()` checked on CUDA only: models call these for
+    every layer on every backend (a quantization check would fail on an unquantized layer)."""
+    return "not CUDA" if not cuda() else _why_not(family, why())
+
+
 def attention_input(x: mx.array, norm_w: mx.array, qkv, q_norm: mx.array, k_norm: Optional[mx.array],
                     inverse: mx.array, n_heads: int, head_dim: int, kv: int) -> str:
     """Why an attention layer's input (norm, q/k/v, head norms, RoPE) keeps MLX's ops ('' if it takes
     the fused kernel)."""
-    reason = attn_input.supports(x, norm_w, qkv, q_norm, k_norm, inverse, n_heads, head_dim, kv)
-    return _why_not("attention input", reason)
+    return _fused("attention input",
+                  lambda: attn_input.supports(x, norm_w, qkv, q_norm, k_norm, inverse, n_heads, head_dim, kv))
 
 
 def mlp_input(rows: int, x_dtype: mx.Dtype, norm_w: Optional[mx.array], gate, up=None) -> str:
     """Why a dense MLP's input (norm, gate/up, GLU) keeps MLX's ops ('' if it takes the fused kernel);
     `gate` the joined gate/up layer when `up` is None."""
-    return _why_not("MLP input", ffn.supports(rows, x_dtype, norm_w, gate, up))
+    return _fused("MLP input", lambda: ffn.supports(rows, x_dtype, norm_w, gate, up))
 
 
 def experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[mx.array], glu) -> str:
     """Why a SwitchGLU's experts behind their input norm keep MLX's ops ('' if they take the fused
     kernels: norm, gate/up and GLU in one, then down)."""
+    return _fused("experts input", lambda: _experts_input(tokens, top_k, x_dtype, norm_w, glu))
+
+
+def _experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[mx.array], glu) -> str:
     reason = "" if tokens * top_k <= qmm.MAX_PAIRS else f"{tokens} tokens"
     if not reason and getattr(glu.activation, "kind", None) != "gelu_tanh":
         reason = f"activation {type(glu.activation).__name__}"
@@ -135,17 +145,16 @@ def experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[m
     down = glu.down_proj
     if not reason and ("scales" not in down or "bias" in down):
         reason = "unquantized or biased experts"
-    reason = reason or qmm.supports(x_dtype, down["weight"], down["scales"], down.get("biases"), down.group_size,
-                                    down.bits, down.mode)
-    return _why_not("experts input", reason)
+    return reason or qmm.supports(x_dtype, down["weight"], down["scales"], down.get("biases"),
+                                  down.group_size, down.bits, down.mode)
 
 
 def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more) -> str:
     """Why a residual block's glue (post-norms, add, layer scalar, next norm) keeps MLX's ops ('' if it
     takes the fused kernel); `more`: its other operands."""
     rows = x.size // x.shape[-1]
-    reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
-    return _why_not("residual", reason or glue.supports(x, y, w, scalar, *more))
+    return _fused("residual", lambda: ("" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows")
+                  or glue.supports(x, y, w, scalar, *more))
 
 
 def summary() -> str:

@@ -49,10 +49,13 @@ def supports(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.ar
     return ""
 
 
-def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:
+def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
+              shape: Optional[tuple] = None) -> mx.array:
     """softmax(q @ keys.T, masked) @ values, scale 1: q (B, Hq, L, D), keys/values (B, Hkv, T, D),
-    mask (B, 1, L, T) bool or None. Returns (B, Hq, L, D)."""
+    mask (B, 1, L, T) bool or None. Returns (B, Hq, L, D), written as `shape` if given (its size:
+    the same memory, no reshape node)."""
     B, Hq, L, D = q.shape
+    shape = q.shape if shape is None else shape
     Hkv, T = keys.shape[1], keys.shape[2]
     size = split(D) if L <= MAX_QUERIES else WHOLE
     splits = -(-T // size)
@@ -61,7 +64,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     masked = mask is not None
     template = [("T", q.dtype), ("D", D), ("SPLIT", size), ("ROWS", ROWS), ("MASK", masked), ("SINGLE", single)]
     mask = mask if masked else mx.zeros((1,), dtype=mx.bool_)
-    shapes = [q.shape, (1,), (1,)] if single else [(1,), (B * Hq * L, splits, 2), (B * Hq * L, splits, D)]
+    shapes = [shape, (1,), (1,)] if single else [(1,), (B * Hq * L, splits, 2), (B * Hq * L, splits, D)]
     out, stats, acc = _SPLIT([q, keys, values, mask], template,
                              grid=(splits * 32 * ROWS, -(-rows // ROWS), B * Hkv), threadgroup=(32 * ROWS, 1, 1),
                              output_shapes=shapes, output_dtypes=[q.dtype, mx.float32, mx.float32])
@@ -69,7 +72,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
         return out
     threads = min(D, 256)
     return _COMBINE([stats, acc], [("T", q.dtype), ("D", D)], grid=(D, B * Hq * L, 1), threadgroup=(threads, 1, 1),
-                    output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
+                    output_shapes=[shape], output_dtypes=[q.dtype])[0]
 
 
 def reference(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array]) -> mx.array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -20,11 +20,11 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from ..cache import FULL, SLIDING, KVCache, Ragged, Step
-from ..jit import small
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
 from .layout import JOINS, join, joined_name, keeping_parts, parts, unjoin  # noqa: F401 (the module's layout API)
 from .quantized import Embedding, Linear, forward_tokens, switch_glu
+from .rope import Rope
 
 
 @dataclasses.dataclass
@@ -160,88 +160,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_periods(params: dict, head_dim: int) -> np.ndarray:
-    """(D/2,) rotation periods of the pairs (i, i + D/2) from one layer type's `rope_parameters`
-    (inf: a pair that does not rotate). Built on the host: a lazy table would tie the model to
-    the thread that loaded it."""
-    kind = params.get("rope_type", "default")
-    theta = float(params.get("rope_theta", 10000.0))
-    factor = float(params.get("factor", 1.0))
-    if kind == "default" and factor == 1.0:
-        return theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if kind == "proportional":
-        # Only the first partial*D/2 pairs rotate, with exponent denominator D.
-        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-        periods = factor * theta ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim)
-        return np.concatenate([periods, np.full((head_dim // 2 - angles,), np.inf)])
-    raise ConfigError(f"unsupported rope_type {kind!r}")
-
-
-class Rope:
-    """Rotary embedding of one layer type. GPUs get `mx.fast.rope`; elsewhere the cos/sin table
-    of a forward's positions is built once per layer type (in the step's scratch), and a layer
-    rotates with one gather of the swapped halves (signed: exact) and one compiled elementwise
-    function, instead of splitting, casting and concatenating halves."""
-
-    def __init__(self, params: dict, head_dim: int):
-        periods = rope_periods(params, head_dim)
-        self.dims, self.key = head_dim, ("rope", head_dim, tuple(periods))
-        self.base = float(params.get("rope_theta", 10000.0)) if params.get("rope_type", "default") == "default" else None
-        self.freqs = None if self.base is not None else mx.array(periods.astype(np.float32))
-        inverse = (1.0 / periods).astype(np.float32)
-        self.inverse = mx.array(np.concatenate([inverse, inverse]))  # each pair's angle in both its halves
-
-    def __call__(self, x: mx.array, step: Step) -> mx.array:
-        if fused_kernels():
-            return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=step.offset,
-                                freqs=self.freqs)
-        return _rotate(x, *self.table(step), _swap_index(self.dims, x.dtype, x.shape), _half_turn(self.dims, x.dtype)[1])
-
-    def table(self, step: Step) -> tuple[mx.array, mx.array]:
-        """(cos, sin) of `step`'s positions, (B, 1, L, D), each pair's angle in both its halves:
-        made once per step and layer type."""
-        table = step.scratch.get(self.key)
-        if table is None:
-            table = step.scratch[self.key] = _table(step.positions, self.inverse)
-        return table
-
-
-@small
-def _table(positions: mx.array, inverse: mx.array) -> tuple[mx.array, mx.array]:
-    angles = positions[:, None, :, None].astype(mx.float32) * inverse
-    return mx.cos(angles), mx.sin(angles)
-
-
-@mx.compile
-def _rotate(x: mx.array, cos: mx.array, sin: mx.array, swap: mx.array, sign: mx.array) -> mx.array:
-    # rotate_half(x) = concat(-x2, x1) = x[..., swap] * sign: exact, one gather per entry
-    return (x * cos + (mx.take_along_axis(x, swap, axis=-1) * sign) * sin).astype(x.dtype)
-
-
-@lru_cache(maxsize=256)
-def _swap_index(dims: int, dtype: mx.Dtype, shape: tuple) -> mx.array:
-    """`_half_turn`'s swap broadcast to x's shape, evaluated (a constant, even inside a trace): a
-    gather along the last axis with an index of x's own shape is one graph node."""
-    index = mx.broadcast_to(_half_turn(dims, dtype)[0], shape)  # a view: no memory
-    mx.eval(index)
-    return index
-
-
-_HALF_TURNS: dict = {}
-
-
-def _half_turn(dims: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """(swap, sign) with x[..., swap] * sign = concat(-x[D/2:], x[:D/2]), per size and dtype (built
-    on the host: evaluated arrays, usable from any thread)."""
-    key = (dims, dtype)
-    if key not in _HALF_TURNS:
-        half = dims // 2
-        swap = np.concatenate([np.arange(half, dims), np.arange(half)]).astype(np.int32)
-        sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32)
-        _HALF_TURNS[key] = (mx.array(swap), mx.array(sign, dtype=dtype))
-    return _HALF_TURNS[key]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Config, i: int):
         super().__init__()
@@ -262,18 +180,29 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.rope = Rope(cfg.rope_parameters[self.layer_type], hd)
 
-    def __call__(self, x: mx.array, step: Union[Step, Ragged], shared_kv=None):
-        """x: (B * L, H), the rows' tokens in order. Returns (output, kv): kv is the (keys, values)
-        attended over, which a KV-shared layer passes in as `shared_kv` instead of computing (and
-        storing) its own. A ragged step's rows attend one by one, each through its own step (kv:
-        one per row)."""
+    def __call__(self, x: mx.array, norm: RMSNorm, step: Union[Step, Ragged], shared_kv=None):
+        """x: (B * L, H), the rows' tokens in order, before the input norm `norm`. Returns (output, kv):
+        kv is the (keys, values) attended over, which a KV-shared layer passes in as `shared_kv`
+        instead of computing (and storing) its own. A ragged step's rows attend one by one, each
+        through its own step (kv: one per row)."""
         if isinstance(step, Ragged):
-            return self._ragged(x, step, shared_kv)
+            return self._ragged(x, norm, step, shared_kv)
         B, L = step.positions.shape
-        out, kv = self._attend(*self._project(x, B, L, shared_kv is None), step, shared_kv, flat=L == 1)
+        heads = self._fused(x, norm, step.positions, shared_kv is None)
+        if heads is None:  # MLX's ops
+            heads = self._rotate(*self._project(norm(x), B, L, shared_kv is None), step)
+        out, kv = self._attend(*heads, step, shared_kv, flat=L == 1)
         if L > 1:  # (B, heads, L, D) -> the rows' tokens in order
             out = out.transpose(0, 2, 1, 3).reshape(B * L, self.n_heads * self.head_dim)
         return self.o_proj(out), kv
+
+    def _fused(self, x: mx.array, norm: RMSNorm, positions: mx.array, own_kv: bool) -> Optional[tuple]:
+        """(q, k, v) as `_rotate` gives them, from the input norm to RoPE in one CUDA kernel
+        (`kernels.attention_input`), or None where MLX's ops run."""
+        kv = (1 if self.k_eq_v else 2) if own_kv else 0
+        return kernels.attention_input(x, norm.weight, self.qkv_proj, self.q_norm.weight,
+                                       self.k_norm.weight if own_kv else None, positions, self.rope.pairs,
+                                       self.n_heads, self.head_dim, kv, self.eps)
 
     def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
         """Normalised heads in attention's layout (B, heads, L, head_dim), not rotated: the ones to
@@ -297,23 +226,33 @@ class Attention(nn.Module):
         qk, v = mx.split(rms_norm(heads, weights, self.eps), [nq + nk], axis=1)
         return [qk], v
 
-    def _attend(self, parts: list, v: Optional[mx.array], step: Step, shared_kv, flat: bool = False) -> tuple:
-        """Rotate q and k, store the K/V in the cache and attend: (B, heads, L, head_dim), or with one
-        token per row and `flat` (B, heads * head_dim), and the kv."""
+    def _rotate(self, parts: list, v: Optional[mx.array], step: Step) -> tuple:
+        """`_project`'s heads with q and k rotated: (q, k, v), k and v None where the K/V are shared."""
         rotated = [self.rope(p, step) for p in parts]
-        q = rotated[0]
+        if v is None:
+            return rotated[0], None, None
+        q, k = rotated if len(rotated) == 2 else mx.split(rotated[0], [self.n_heads], axis=1)
+        return q, k, v
+
+    def _attend(self, q: mx.array, k, v, step: Step, shared_kv, flat: bool = False) -> tuple:
+        """Store the K/V in the cache (unless shared) and attend: (B, heads, L, head_dim), or with one
+        token per row and `flat` (B, heads * head_dim), and the kv."""
         if shared_kv is None:
-            q, k = rotated if len(rotated) == 2 else mx.split(q, [self.n_heads], axis=1)
             shared_kv = step.store(self.index, k, v)
         return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch, flat), shared_kv
 
-    def _ragged(self, x: mx.array, ragged: Ragged, shared: Optional[list]) -> tuple:
+    def _ragged(self, x: mx.array, norm: RMSNorm, ragged: Ragged, shared: Optional[list]) -> tuple:
         """Projections over every row's tokens at once; attention row by row (its own cache's slots,
         masks and RoPE offsets, the shapes of its own forward)."""
-        parts, v = self._project(x, 1, x.shape[0], shared is None)
+        positions = mx.concatenate([step.positions for step in ragged.steps], axis=1)  # (computed where used)
+        fused = self._fused(x, norm, positions, shared is None)
+        parts, v = self._project(norm(x), 1, x.shape[0], shared is None) if fused is None else (None, None)
         outs, kvs = [], []
         for i, (step, (a, b)) in enumerate(zip(ragged.steps, ragged.bounds)):
-            mine = [t[:, :, a:b] for t in parts], None if v is None else v[:, :, a:b]
+            if fused is None:
+                mine = self._rotate([t[:, :, a:b] for t in parts], None if v is None else v[:, :, a:b], step)
+            else:  # each token's heads as its own forward's kernel makes them
+                mine = [None if t is None else t[:, :, a:b] for t in fused]
             out, kv = self._attend(*mine, step, None if shared is None else shared[i])
             outs.append(out.transpose(0, 2, 1, 3))
             kvs.append(kv)
@@ -344,8 +283,10 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     matrix, with no broadcast copies of the K/V; the mask repeated for a group's heads is made once
     per forward where `scratch` (the step's) is given."""
     if fused_kernels():
-        out = kernels.attention(q, keys, values, mask)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask) if out is None else out
+        out = kernels.attention(q, keys, values, mask, flat=flat)
+        if out is not None:
+            return out
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
         return out.reshape(q.shape[0], -1) if flat else out
     B, n, L, D = q.shape
     n_kv, T = keys.shape[1], keys.shape[2]
@@ -370,9 +311,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)  # gate's rows, then up's (`join`)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def __call__(self, x):
-        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(gelu_tanh_glu(gate, up))
+    def __call__(self, x: mx.array, norm: RMSNorm) -> mx.array:
+        """The MLP of norm(x): the norm, gate/up and GLU in one CUDA kernel where it applies."""
+        glu = kernels.mlp_input(x, norm.weight, self.gate_up_proj, eps=norm.eps)
+        if glu is None:  # MLX's ops
+            gate, up = mx.split(self.gate_up_proj(norm(x)), 2, axis=-1)
+            glu = gelu_tanh_glu(gate, up)
+        return self.down_proj(glu)
 
 
 # Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
@@ -414,8 +359,11 @@ class Experts(nn.Module):
         super().__init__()
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
 
-    def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
-        y = switch_glu(self.switch_glu, x, idx)  # (..., k, H)
+    def __call__(self, x: mx.array, norm: RMSNorm, idx: mx.array, weights: mx.array) -> mx.array:
+        """The experts `idx` of norm(x), weighted: the norm, gate/up and GLU in one CUDA kernel where
+        it applies."""
+        y = kernels.experts_input(self.switch_glu, x, norm.weight, idx, norm.eps)  # (..., k, H)
+        y = switch_glu(self.switch_glu, norm(x), idx) if y is None else y
         return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
@@ -444,19 +392,36 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
     def __call__(self, x, step: Step, shared_kv=None, per_layer_input=None):
-        """One residual block; returns (output, kv) as `Attention` does."""
-        attn, kv = self.self_attn(self.input_layernorm(x), step, shared_kv)
-        h = x + self.post_attention_layernorm(attn)
-        f = self.mlp(self.pre_feedforward_layernorm(h))
+        """One residual block; returns (output, kv) as `Attention` does. Each norm goes to the op that
+        reads it: on NVIDIA GPUs, fused into mlx_mtp's kernels (`kernels`) where they apply."""
+        attn, kv = self.self_attn(x, self.input_layernorm, step, shared_kv)
+        h = residual(x, attn, self.post_attention_layernorm)
+        f = self.mlp(h, self.pre_feedforward_layernorm)
+        moe = None
         if "router" in self:
             idx, weights = self.router(h)
-            experts = self.experts(self.pre_feedforward_layernorm_2(h), idx, weights)
-            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(experts)
-        h = h + self.post_feedforward_layernorm(f)
-        if per_layer_input is not None:
-            g = gelu_tanh_glu(self.per_layer_input_gate(h), per_layer_input)
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+            experts = self.experts(h, self.pre_feedforward_layernorm_2, idx, weights)
+            moe = (self.post_feedforward_layernorm_1, experts, self.post_feedforward_layernorm_2)
+        if per_layer_input is None:
+            return residual(h, f, self.post_feedforward_layernorm, moe, self.layer_scalar), kv
+        h = residual(h, f, self.post_feedforward_layernorm, moe)
+        g = gelu_tanh_glu(self.per_layer_input_gate(h), per_layer_input)
+        h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return h * self.layer_scalar, kv
+
+
+def residual(x: mx.array, y: mx.array, norm: RMSNorm, moe: Optional[tuple] = None,
+             scalar: Optional[mx.array] = None) -> mx.array:
+    """(x + norm(y)) * scalar, with an MoE layer's `moe` = (norm1, y2, norm2): y is then norm1(y) +
+    norm2(y2). In one CUDA kernel where it applies (`kernels.residual`), else MLX's ops."""
+    second = moe and (moe[0].weight, moe[1], moe[2].weight)
+    fused = kernels.residual(x, y, norm.weight, norm.eps, scalar, second)
+    if fused is not None:
+        return fused
+    if moe is not None:
+        y = moe[0](y) + moe[2](moe[1])
+    h = x + norm(y)
+    return h if scalar is None else h * scalar
 
 
 def scaled_embed(embedding: nn.Module, ids: mx.array, scale: float) -> mx.array:
