@@ -1,7 +1,7 @@
 """Time to first token with one image (issue 44), and the vision encoder alone at real shapes.
 
     python -m apps.vision_ttft [--shapes demo,demo-280,26b-a4b,e4b] [--repeats 3] [--dtype float32]
-                               [--peer mlx-vlm]
+                               [--peer mlx-vlm|transformers]
 
 `demo`: the tiny vision checkpoint (tests/fixtures/vision/bidir, random weights, its MTP drafter): from
 `Engine.submit` of a one-image chat request to its first token, the image new each time (prefix cache
@@ -10,7 +10,8 @@ holds 32 patches a side), and the same request without the image for comparison.
 `demo-280`: the same with one 960x672 image at budget 280 (280 soft tokens, 2,520 patches), on a copy
 of the demo in a temporary directory whose position table has the released configs' 10240 entries
 (`demo_checkpoint`: the fixture's rows first, the rest random). `--peer mlx-vlm` times mlx-vlm there
-too, on that copy, the same prompt and images, where `mlx_vlm` imports (a separate venv: not ours).
+too, on that copy, the same prompt and images, where `mlx_vlm` imports (a separate venv: not ours);
+`--peer transformers` runs transformers' fp32 forward there (first tokens to check ours and the peer's by).
 `26b-a4b`, `e4b`: the released vision towers' shapes (the 26B-A4B/31B one: 27 layers at width 1152,
 16 heads of 72, MLP 4304, standardized; E2B/E4B: 16 at 768, 12 of 64, MLP 3072, clipped linears),
 random weights, one 960x672 image = 280 soft tokens (2,520 patches): processing and the encoder
@@ -137,6 +138,40 @@ def peer_ttft(repeats: int, path: Path, size: tuple) -> str:
             f"its soft tokens vs ours: max |diff| {gap:.1e}")
 
 
+def transformers_ttft(repeats: int, path: Path, size: tuple) -> str:
+    """transformers' fp32 forward on the same copy and images, from our prompt ids and patches (the
+    processor's, bit for bit) to the argmax of its last logits: whose first tokens ours must equal."""
+    try:
+        import torch
+        import transformers
+        from transformers import Gemma4ForConditionalGeneration
+    except ImportError as e:
+        return f"transformers: not run ({e}; torch is no dependency: the reference venv of tests/reference)"
+    from mlx_mtp import load
+    from mlx_mtp.chat_format import render
+    from mlx_mtp.models.gemma4_vision import expand_placeholders
+
+    loaded = load(path)
+    vision = loaded.vision
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    times, first = [], []
+    for i in range(repeats + 1):  # the first run warms up
+        image = picture(*size, seed=i)
+        patches = vision.process(image)
+        tokens = render(loaded.tokenizer, [chat_message(image)]).tokens
+        ids = torch.tensor([expand_placeholders(tokens, [patches.tokens], vision.boi, vision.image_token, vision.eoi)])
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(ids, pixel_values=torch.from_numpy(patches.pixels)[None],
+                           image_position_ids=torch.from_numpy(patches.positions.astype(np.int64))[None],
+                           mm_token_type_ids=(ids == vision.image_token).long()).logits
+        if i:
+            times.append(time.perf_counter() - start)
+            first.append(int(logits[0, -1].argmax()))
+    return (f"transformers {transformers.__version__} (same checkpoint, fp32, forward only from our ids and patches): "
+            f"{ids.shape[1]} prompt tokens {_ms(times)}; first tokens {first}")
+
+
 def chat_message(image, with_image: bool = True) -> dict:
     """The user turn the demo times: the image (when asked) and one question."""
     parts = [{"type": "text", "text": "What is in this picture?"}]
@@ -190,7 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--warmup", type=int, default=1, help="untimed encoder runs first (default 1)")
-    ap.add_argument("--peer", choices=["mlx-vlm"], help="demo-280 also timed on this peer, where it imports")
+    ap.add_argument("--peer", choices=["mlx-vlm", "transformers"],
+                    help="demo-280 also run on this peer, where it imports (its own venv)")
     args = ap.parse_args(argv)
     print(f"MLX {mx.__version__}, device {mx.default_device()}")
     for name in args.shapes.split(","):
@@ -200,8 +236,10 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 path = demo_checkpoint(Path(tmp))
                 line = demo_ttft(args.repeats, path, BIG)
-                if args.peer:
+                if args.peer == "mlx-vlm":
                     line += "\n" + peer_ttft(args.repeats, path, BIG)
+                elif args.peer == "transformers":
+                    line += "\n" + transformers_ttft(args.repeats, path, BIG)
         else:
             line = encoder_time(name, args.repeats, getattr(mx, args.dtype), args.warmup)
         print(line, flush=True)
