@@ -68,9 +68,11 @@ def demo_checkpoint(dest: Path, budget: int = 280, table: int = 10240) -> Path:
     vision, text = config["vision_config"], config["text_config"]
     vision["position_embedding_size"] = table
     for over in text.pop("per_layer_config", {}).values():  # the released configs' keys, which mlx-vlm reads
-        text["global_head_dim"], text["num_global_key_value_heads"] = over["head_dim"], over["num_key_value_heads"]
+        text["global_head_dim"] = over["head_dim"]
+        text["num_global_key_value_heads"] = over["num_key_value_heads"]
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    processor = dict(max_soft_tokens=budget, patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"])
+    processor = dict(max_soft_tokens=budget, patch_size=vision["patch_size"],
+                     pooling_kernel_size=vision["pooling_kernel_size"])
     (dest / "processor_config.json").write_text(json.dumps({"image_processor": processor}))
     weights = load_file(str(DEMO / "model.safetensors"))
     key = "model.vision_tower.patch_embedder.position_embedding_table"
@@ -89,9 +91,9 @@ def demo_ttft(repeats: int, path: Path = DEMO, size: tuple = (40, 30)) -> str:
     with Engine(loaded, prompt_cache_bytes=0) as engine:
         for i in range(repeats + 1):  # the first round warms up (compiles)
             for kind in times:
+                message = chat_message(picture(*size, seed=i), kind == "image")
                 start = time.perf_counter()
-                handle = engine.submit(Request(messages=[chat_message(picture(*size, seed=i), kind == "image")],
-                                               max_tokens=1))
+                handle = engine.submit(Request(messages=[message], max_tokens=1))
                 token = next(iter(handle))
                 if i:
                     times[kind].append(time.perf_counter() - start)
@@ -101,7 +103,8 @@ def demo_ttft(repeats: int, path: Path = DEMO, size: tuple = (40, 30)) -> str:
     table = loaded.vision.vision_config.position_embedding_size
     name = DEMO.relative_to(ROOT) if path == DEMO else f"{DEMO.relative_to(ROOT)}, position table {table}"
     return (f"demo ({name}, budget {loaded.vision.budget}): TTFT with one {size[0]}x{size[1]} image "
-            f"({tokens['image'] - tokens['text']} image tokens, {tokens['image']} in all) {_ms(times['image'])}; "
+            f"({tokens['image'] - tokens['text']} image tokens, {tokens['image']} in all) "
+            f"{_ms(times['image'])}; "
             f"the same request without it ({tokens['text']} prompt tokens) {_ms(times['text'])}; "
             f"first tokens with the image {first}")
 
@@ -118,12 +121,13 @@ def peer_ttft(repeats: int, path: Path, size: tuple) -> str:
     from mlx_mtp import load
 
     model, processor = vlm_load(str(path))
-    prompt = processor.tokenizer.apply_chat_template([chat_message(None)], tokenize=False, add_generation_prompt=True)
+    prompt = processor.tokenizer.apply_chat_template([chat_message(None)], tokenize=False,
+                                                     add_generation_prompt=True)
     times, first = [], []
     for i in range(repeats + 1):  # the first run warms up
+        image = picture(*size, seed=i)
         start = time.perf_counter()
-        result = next(stream_generate(model, processor, prompt, image=[picture(*size, seed=i)], max_tokens=1,
-                                      temperature=0.0))
+        result = next(stream_generate(model, processor, prompt, image=[image], max_tokens=1, temperature=0.0))
         if i:
             times.append(time.perf_counter() - start)
             first.append(result.token)
@@ -159,7 +163,8 @@ def transformers_ttft(repeats: int, path: Path, size: tuple) -> str:
         image = picture(*size, seed=i)
         patches = vision.process(image)
         tokens = render(loaded.tokenizer, [chat_message(image)]).tokens
-        ids = torch.tensor([expand_placeholders(tokens, [patches.tokens], vision.boi, vision.image_token, vision.eoi)])
+        ids = expand_placeholders(tokens, [patches.tokens], vision.boi, vision.image_token, vision.eoi)
+        ids = torch.tensor([ids])
         start = time.perf_counter()
         with torch.no_grad():
             logits = model(ids, pixel_values=torch.from_numpy(patches.pixels)[None],
@@ -168,7 +173,8 @@ def transformers_ttft(repeats: int, path: Path, size: tuple) -> str:
         if i:
             times.append(time.perf_counter() - start)
             first.append(int(logits[0, -1].argmax()))
-    return (f"transformers {transformers.__version__} (same checkpoint, fp32, forward only from our ids and patches): "
+    return (f"transformers {transformers.__version__} (same checkpoint, fp32, forward only, "
+            "from our ids and patches): "
             f"{ids.shape[1]} prompt tokens {_ms(times)}; first tokens {first}")
 
 

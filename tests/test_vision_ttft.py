@@ -20,7 +20,8 @@ def soft_tokens(vision, image, budget):
 def test_demo_checkpoint_takes_a_280_token_image(tmp_path):
     path = demo_checkpoint(tmp_path / "demo280")
     big, small = load(path, load_vision=True).vision, load(DEMO, load_vision=True).vision
-    assert big.budget == 280 and json.loads((path / "config.json").read_text())["text_config"]["global_head_dim"] == 32
+    assert big.budget == 280
+    assert json.loads((path / "config.json").read_text())["text_config"]["global_head_dim"] == 32
     tokens, out = soft_tokens(big, picture(*BIG, seed=0), 280)
     assert tokens == 280 and out.shape == (280, 64) and np.isfinite(out).all()
     with pytest.raises(ValueError, match="position table"):
