@@ -66,6 +66,24 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[str]:
     return [prompt for prompt, _ in tool_call_transcripts(n, seed)]
 
 
+def c_header_prompts(n: int, seed: int = 0, chars: int = 1000) -> list[str]:
+    """`n` excerpts of C code (this Python's own C API headers, `sysconfig`'s include directory: C that any
+    Python install has and the demo pair never saw), each about `chars` long and cut at a line's end."""
+    import sysconfig
+
+    headers = sorted(Path(sysconfig.get_paths()["include"]).rglob("*.h"))
+    texts = [t for t in (h.read_text(encoding="utf-8", errors="replace") for h in headers) if len(t) > 2 * chars]
+    if not texts:
+        raise FileNotFoundError(f"no C headers under {sysconfig.get_paths()['include']} (install Python's headers)")
+    rng, out = np.random.default_rng(seed), []
+    for _ in range(n):
+        text = texts[int(rng.integers(len(texts)))]
+        start = text.find("\n", int(rng.integers(0, len(text) - chars))) + 1
+        end = text.rfind("\n", start, start + chars) + 1
+        out.append(text[start : end if end > start else start + chars])
+    return out
+
+
 def tuned_target(folder: Path, steps: int, log) -> Path:
     """The demo target fine-tuned for `steps` on tool-call transcripts, half of each batch stdlib code as
     before (kept in `folder`/target and reused): a target that answers such prompts in kind, as a real
