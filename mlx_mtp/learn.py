@@ -215,6 +215,7 @@ class Adaptation:
             self.before = yield from self._measure_before()
         self.held.keep(len(self.before["held_out"]))  # the sample measured before, measured after
         self.phase = "training"
+        yield None  # the phase's first line, before its first step
         while not self.trained and self._time_for_a_step():
             self.drafter.train()
             began = time.perf_counter()
@@ -336,7 +337,7 @@ def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300,
         progress(f"resuming at step {a.distiller.done} of {a.distiller.steps} ({partial})")
     else:
         progress(f"measuring the drafter on {len(a.general)} general sequences and up to {len(a.held)} held-out "
-                 f"requests" + (f" (at most {MEASURE_SHARE:.0%} of {minutes:g} minutes), then training" if minutes
+                 f"requests" + (f" (at most {MEASURE_SHARE:.0%} of {minutes:.1f} minutes), then training" if minutes
                                 else ", then training"))
     started, bar = time.perf_counter(), Progress(a, progress)
     for loss in a.work(minutes):

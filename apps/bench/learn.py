@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+TRAFFIC = {"c": "excerpts of C headers", "tool-calls": "tool-call transcripts"}
 TOOLS = {"get_weather": ("city", "unit"), "search_files": ("pattern", "path"), "send_email": ("to", "subject"),
          "create_event": ("title", "date"), "run_query": ("sql", "database"), "translate": ("text", "language")}
 VALUES = ["Paris", "celsius", "*.py", "/home/ana/src", "bob@example.com", "Quarterly report", "Team sync",
@@ -177,27 +178,30 @@ def run_learn(args, log=print) -> dict:
 
     folder = Path(args.captures or tempfile.mkdtemp(prefix="mlx_mtp-learn-"))
     folder.mkdir(parents=True, exist_ok=True)
-    target_dir = tuned_target(folder, args.tune_steps, log) if args.tune_steps else TARGET_DIR
+    tune = args.tune_steps if args.tune_steps is not None else (40 if args.traffic == "tool-calls" else 0)
+    target_dir = tuned_target(folder, tune, log) if tune else TARGET_DIR
     loaded = load(target_dir, DRAFTER_DIR, dtype=mx.float32)
     res = dict(mode="learn", requests=args.requests, max_tokens=args.max_tokens, captures=str(folder),
-               temperature=args.temperature, tune_steps=args.tune_steps)
+               temperature=args.temperature, tune_steps=tune, traffic=args.traffic)
     kept = folder / "captured"
-    if len(list(capture.read(kept))) < args.requests:
-        log(f"serving {args.requests} tool-call transcripts through the demo pair, kept in {kept}")
-        res["serve_s"] = capture_traffic(loaded, tool_call_prompts(args.requests, args.seed), kept,
-                                         args.max_tokens, args.temperature, log)
-    records = list(capture.read(kept))
+    have = len(list(capture.read(kept)))
+    if have < args.requests:  # served once: a rerun on --captures reuses them
+        prompts = (tool_call_prompts if args.traffic == "tool-calls" else c_header_prompts)(args.requests, args.seed)
+        log(f"serving {args.requests - have} {TRAFFIC[args.traffic]} through the demo pair, kept in {kept}")
+        res["serve_s"] = capture_traffic(loaded, prompts[have:], kept, args.max_tokens, args.temperature, log)
+    records = sorted(capture.read(kept), key=lambda r: r.time)[-args.requests :]
     res["tokens"] = int(sum(len(r.prompt) + len(r.reply) for r in records))
     res["served_acceptance"] = sum(r.accepted for r in records) / max(1, sum(r.rounds for r in records))
+    started = time.perf_counter()  # --minutes bounds the adaptation from here, as `mlx_mtp.learn`'s whole run
     tokenizer = loaded.tokenizer
     replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
     out = folder / "adapted"
-    res["adapt"] = learn.adapt(loaded.target, DRAFTER_DIR, records, learn.general_sample(tokenizer), out,
-                               steps=args.steps, minutes=args.minutes, replay=replay, seq=args.seq,
-                               batch=args.batch, lr=args.lr, progress=log)
+    res["adapt"] = learn.adapt(loaded.target, DRAFTER_DIR, records, learn.general_sample(tokenizer, seq=args.seq),
+                               out, steps=args.steps, minutes=args.minutes - (time.perf_counter() - started) / 60,
+                               replay=replay, seq=args.seq, batch=args.batch, lr=args.lr, progress=log)
     held = [list(map(int, r.prompt)) for r in learn.split(records)[1]][: args.wall_prompts]
-    res["wall_clock"] = {"before": wall_clock(loaded, loaded.drafter, held, args.max_tokens)}
-    if res["adapt"]["written"]:
+    res["wall_clock"] = {"before": wall_clock(loaded, loaded.drafter, held, args.max_tokens)} if held else {}
+    if res["adapt"]["written"] and held:
         res["wall_clock"]["after"] = wall_clock(loaded, load_model(out, dtype=mx.float32)[0], held, args.max_tokens)
     for when, w in res["wall_clock"].items():
         log(f"  held-out B=1, {when}: plain {w['plain']:.1f} tok/s, auto {w['auto']:.1f} tok/s "
