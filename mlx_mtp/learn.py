@@ -222,7 +222,7 @@ class Adaptation:
             loss = self.distiller.learn(self.pool.features(self.distiller.done))[0]
             took = time.perf_counter() - began
             self.step_seconds = took if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * took
-            if self.budget is not None and self.distiller.done == 2:  # the schedule: the steps that fit
+            if self.budget is not None and self.distiller.done >= 2:  # the schedule: the steps that fit, as now timed
                 fit = self.distiller.done + int(self._left() / self.step_seconds)
                 self.distiller.steps = max(self.distiller.done, min(self.max_steps, fit))
             yield loss
@@ -268,15 +268,15 @@ class Adaptation:
         return self.budget is None or self._left() > (self.step_seconds or 0.0)
 
     def eta(self) -> Optional[float]:
-        """Seconds the run has left, as now estimated (None: not yet known)."""
-        if self.phase == "measuring before":
-            if self.budget is not None:
-                return self.budget - (time.perf_counter() - self.started)
-            return None
-        rest = self._after_seconds()
-        if self.phase == "training" and self.step_seconds is not None:
-            rest += self.step_seconds * (self.distiller.steps - self.distiller.done)
-        return rest if self.budget is None else min(rest, max(0.0, self.budget - (time.perf_counter() - self.started)))
+        """Seconds the run has left, as now estimated (None: not yet known): a bounded run fills its
+        time unless it runs out of steps."""
+        left = None if self.budget is None else max(0.0, self.budget - (time.perf_counter() - self.started))
+        if self.phase == "measuring before" or (self.phase == "training" and self.step_seconds is None):
+            return left
+        rest = self._after_seconds() * (1 - self.measured / max(self.to_measure, 1))
+        if self.phase == "training":
+            rest = self._after_seconds() + self.step_seconds * (self.distiller.steps - self.distiller.done)
+        return rest if left is None else min(rest, left)
 
 
 def request_windows(records: Sequence[capture.Record], seq: int) -> list[np.ndarray]:
@@ -494,7 +494,8 @@ class Learner:
         log.info("background adaptation: %s in service (%s)", out, say(a.report))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line; every option says its default."""
     ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.learn"), description=__doc__.splitlines()[0])
     ap.add_argument("captures", metavar="DIR", help="captured requests (the server's --learn-dir)")
     ap.add_argument("--target", help="the target model dir or hub id (frozen; default: the bundled demo pair's)")
@@ -519,7 +520,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-replay", action="store_true", help="train on the captured requests alone (default: off)")
     ap.add_argument("--max-tokens", type=int, default=20_000_000,
                     help="the newest captured tokens read (bounds memory: 4 bytes each; default: 20000000)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

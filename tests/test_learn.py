@@ -418,3 +418,64 @@ def test_readme_commands_keep_adapt_and_swap(tmp_path):
     finally:
         stop_server(proc)
     assert proc.returncode == 0
+
+
+# ---- a run bounded in time, its progress, its help ---------------------------------------------------
+
+
+def test_the_target_features_kept_are_the_ones_computed_afresh(adapted):
+    """Measuring in padded batches and training from kept features change nothing: the same runs as one
+    sequence at a time, the same features as a fresh target pass."""
+    target, drafter = tiny_target("dense"), load_model(TINY / "dense" / "drafter", dtype=mx.float32)[0]
+    records = adapted[3]
+    sequences = [learn.window(r, 32 + 6 * i) for i, r in enumerate(records[:5])]  # unequal lengths: padding
+    m = learn.Measure(target, sequences, batch=3)
+    got = [t for i in range(len(m.batches)) for t in m.run(drafter, i)]
+    assert got == [(float(r.sum()), len(r)) for r in (distill.accepted_runs(target, drafter, ids, first, learn.K)
+                                                       for ids, first in sequences)]
+    assert m.run(drafter, 0) == got[:3] and len(m.features) == 2  # measured again from the kept features
+    windows = learn.request_windows(records, 24)
+    pool = learn.Pool(target, windows, batch=4, seed=0, cache_bytes=3 * 100_000)  # room for a few rows only
+    assert sorted(pool.indices(0) + pool.indices(1) + [i for s in range(2, 10) for i in pool.indices(s)])[:40] == \
+        sorted(range(40))  # an epoch sees every window once
+    for step in (0, 1, 0):
+        fresh = distill.target_pass(target, mx.array(np.stack([windows[i] for i in pool.indices(step)])))
+        kept_ = pool.features(step)
+        for a, b in zip(kept_[:3], fresh[:3]):
+            assert mx.array_equal(a, b).item()
+        for kind, kv in fresh[3].items():
+            assert all(mx.array_equal(x, y).item() for x, y in zip(kept_[3][kind], kv))
+    assert 0 < pool.cached_bytes <= 3 * 100_000
+
+
+def test_minutes_bound_the_whole_run_and_progress_says_how_long(monkeypatch, tmp_path):
+    """A target slowed to 0.2 s a forward and a 9 s budget: two held-out batches measured of three,
+    training cut to what fits, the run within its time; a line before any work, then an estimate."""
+    pass_ = distill.target_pass
+    times, lines = [], []
+
+    def slow(target, tokens):
+        times.append(time.perf_counter())
+        time.sleep(0.2)
+        return pass_(target, tokens)
+
+    monkeypatch.setattr(distill, "target_pass", slow)
+    records = kept(tmp_path / "c", greedy(3, 200))
+    started = time.perf_counter()
+    report, _ = run_adapt(records, tmp_path / "o", minutes=0.15, steps=300, progress=lambda s: lines.append(
+        (time.perf_counter(), s)))
+    took = time.perf_counter() - started
+    assert report["held_out_requests"] == 16 and 1 <= report["steps"] < 300
+    assert took < 9 * 1.3 + 2, took
+    assert lines[0][0] < times[0] and lines[0][1].startswith("measuring the drafter on 6 general sequences and up "
+                                                             "to 20 held-out requests")
+    for at, line in lines[1:-1]:
+        left = float(line.split("~")[1].split(" s left")[0])
+        assert at - started + left <= 9 + 1, line  # never past the bound
+    assert any(f"step {report['steps']}/" in line for _, line in lines)
+
+
+def test_help_gives_every_default():
+    for action in learn.parser()._actions:
+        if action.option_strings and action.dest not in ("help", "out"):
+            assert "default" in action.help, action.dest
