@@ -64,7 +64,7 @@ def stdlib(names: Sequence[str]) -> list[Path]:
     return [root / name for name in names if (root / name).exists()]
 
 
-def general_sample(tokenizer, paths: Optional[Sequence[Path]] = None, chunks: int = 16,
+def general_sample(tokenizer, paths: Optional[Sequence[Path]] = None, chunks: int = BATCH_MEASURE,
                    seq: int = 128) -> list[tuple]:
     """(ids, first) chunks of text the drafter is not adapted to: `paths` (text files or .npy ids), or
     modules of the standard library's source."""
@@ -173,7 +173,7 @@ class Adaptation:
     interleave it with requests; within `minutes`, measuring included."""
 
     def __init__(self, target, drafter_dir, records: Sequence[capture.Record], general: list, *, steps: int = 300,
-                 seq: int = 128, batch: int = 8, lr: float = 3e-3, seed: int = 0, replay: Optional[np.ndarray] = None,
+                 seq: int = 128, batch: int = 4, lr: float = 5e-4, seed: int = 0, replay: Optional[np.ndarray] = None,
                  measure: int = 128):
         if len(records) < MIN_REQUESTS:
             raise ValueError(f"{len(records)} captured requests; adapting needs at least {MIN_REQUESTS}")
@@ -199,6 +199,7 @@ class Adaptation:
         self.report: Optional[dict] = None  # the verdict's, once done
         self.phase, self.step_seconds = "measuring before", None
         self.measured, self.to_measure = 0, len(self.held) + len(self.general)
+        self.times = {"train_target": 0.0, "train_drafter": 0.0}  # where the time goes, in the report
 
     @property
     def trained(self) -> bool:
@@ -206,7 +207,7 @@ class Adaptation:
 
     def work(self, minutes: Optional[float] = None) -> Iterator[Optional[float]]:
         """Measure, train, measure again, within `minutes` (None: unbounded): the held-out requests
-        measured are those that fit in MEASURE_SHARE of it (at least two batches), training stops when
+        measured are those that fit in MEASURE_SHARE of it (at least one batch), training stops when
         what is left only fits the measure after. Yields after each piece (a training step yields its
         loss), then sets `report`."""
         self.started = time.perf_counter()
@@ -219,8 +220,12 @@ class Adaptation:
         while not self.trained and self._time_for_a_step():
             self.drafter.train()
             began = time.perf_counter()
-            loss = self.distiller.learn(self.pool.features(self.distiller.done))[0]
+            features = self.pool.features(self.distiller.done)
+            middle = time.perf_counter()
+            loss = self.distiller.learn(features)[0]
             took = time.perf_counter() - began
+            self.times["train_target"] += middle - began
+            self.times["train_drafter"] += took - (middle - began)
             self.step_seconds = took if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * took
             if self.budget is not None and self.distiller.done >= 2:  # the schedule: the steps that fit, as now timed
                 fit = self.distiller.done + int(self._left() / self.step_seconds)
@@ -235,7 +240,10 @@ class Adaptation:
                 self.measured += len(m.batches[i])
                 yield None
         self.report = verdict(self.before, after)
-        self.report.update(k=K, steps=self.distiller.done, train_requests=self.requests, train_tokens=self.tokens)
+        self.times["measure_target"] = self.held.seconds["target"] + self.general.seconds["target"]
+        self.times["measure_drafter"] = self.held.seconds["drafter"] + self.general.seconds["drafter"]
+        self.report.update(k=K, steps=self.distiller.done, train_requests=self.requests, train_tokens=self.tokens,
+                           times={k: round(v, 1) for k, v in self.times.items()})
 
     def _measure_before(self) -> Iterator[None]:
         self.drafter.eval()
@@ -247,7 +255,7 @@ class Adaptation:
         took = 0.0
         for i in range(len(self.held.batches)):
             spent = time.perf_counter() - self.started
-            if i >= 2 and self.budget is not None and spent + took > MEASURE_SHARE * self.budget:
+            if i >= 1 and self.budget is not None and spent + took > MEASURE_SHARE * self.budget:
                 self.to_measure = self.measured
                 break  # a bounded sample: the rest of the time trains
             out["held_out"] += self.held.run(self.drafter, i)
@@ -289,14 +297,16 @@ def request_windows(records: Sequence[capture.Record], seq: int) -> list[np.ndar
 
 
 def verdict(before: dict, after: dict) -> dict:
-    """The means before and after, the held-out change's noise margin (`paired_margin`), and `better`:
-    held-out acceptance up by more than the margin, the general sample's down at most GENERAL_DROP."""
+    """The means before and after, the changes' noise margins (`paired_margin`), and `better`: held-out
+    acceptance up by more than its margin, the general sample's down by at most GENERAL_DROP beyond its."""
     b = {name: mean(t) for name, t in before.items()}
     a = {name: mean(after[name]) for name in before}
     margin = paired_margin(before["held_out"], after["held_out"])
-    better = a["held_out"] - b["held_out"] > margin and a["general"] >= b["general"] * (1 - GENERAL_DROP)
-    return dict(before=b, after=a, margin=margin, better=better, held_out_requests=len(before["held_out"]),
-                general_sequences=len(before["general"]))
+    general_margin = paired_margin(before["general"], after["general"])
+    better = (a["held_out"] - b["held_out"] > margin
+              and a["general"] >= b["general"] * (1 - GENERAL_DROP) - general_margin)
+    return dict(before=b, after=a, margin=margin, general_margin=general_margin, better=better,
+                held_out_requests=len(before["held_out"]), general_sequences=len(before["general"]))
 
 
 def window(r: capture.Record, size: int) -> tuple[np.ndarray, int]:
@@ -312,15 +322,16 @@ def say(report: dict) -> str:
     return (f"accepted drafts per round (K={report['k']}): held-out {b['held_out']:.3f} -> {a['held_out']:.3f} "
             f"({_change(b['held_out'], a['held_out'])}; {change:+.3f}, noise margin {report['margin']:.3f}: two "
             f"standard errors paired over {report['held_out_requests']} held-out requests), general "
-            f"{b['general']:.3f} -> {a['general']:.3f} ({_change(b['general'], a['general'])})")
+            f"{b['general']:.3f} -> {a['general']:.3f} ({_change(b['general'], a['general'])}; noise margin "
+            f"{report['general_margin']:.3f})")
 
 
 def _change(before: float, after: float) -> str:
     return f"{100 * (after - before) / before:+.1f}%" if before else "from 0"
 
 
-def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 8,
-          lr: float = 3e-3, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
+def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 4,
+          lr: float = 5e-4, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
           replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print) -> dict:
     """Adapt within `minutes` (None: unbounded), resuming from `out`.partial if a run with these inputs
     stopped there; write `out` only if the adapted drafter is better. Returns the report (with `written`)."""
@@ -351,7 +362,7 @@ def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300,
         progress(f"wrote {out}: {say(report)}")
     else:
         progress(f"not written: the adapted drafter is not better ({say(report)}; held-out must rise by more than "
-                 f"the margin, general fall at most {100 * GENERAL_DROP:.0f}%)")
+                 f"its margin, general fall at most {100 * GENERAL_DROP:.0f}% beyond its)")
     shutil.rmtree(partial, ignore_errors=True)
     return report
 
@@ -389,6 +400,7 @@ class Progress:
     def __init__(self, adaptation: Adaptation, out: Callable[[str], None]):
         self.a, self.out, self.started = adaptation, out, time.perf_counter()
         self.drawn, self.phase, self.said, self.loss = 0.0, None, -1, None
+        self.last = self.printed = None  # the latest line made, and printed (not on a terminal)
         self.tty = sys.stderr.isatty()
 
     def line(self) -> str:
@@ -412,9 +424,13 @@ class Progress:
                 self.drawn, self.phase = now, a.phase
             return
         tenth = 10 * a.distiller.done // max(a.distiller.steps, 1) if a.phase == "training" else -1
+        if self.phase == "training" and a.phase != "training" and self.last != self.printed:
+            self.out(self.last)  # training's last step, before the next phase's line
+        line = self.line()
         if a.phase != self.phase or tenth > self.said or (a.phase != "training" and now - self.drawn >= 30):
-            self.out(self.line())
-            self.phase, self.said, self.drawn = a.phase, tenth, now
+            self.out(line)
+            self.phase, self.said, self.drawn, self.printed = a.phase, tenth, now, line
+        self.last = line
 
     def close(self) -> None:
         if self.tty:
@@ -509,8 +525,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=300, help="training steps at most (default: 300)")
     ap.add_argument("--seq", type=int, default=128, help="tokens per training and measured window: a request's "
                                                          "reply and the end of its prompt (default: 128)")
-    ap.add_argument("--batch", type=int, default=8, help="windows per training step (default: 8)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, AdamW (default: 3e-3)")
+    ap.add_argument("--batch", type=int, default=4, help="windows per training step (default: 4)")
+    ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, AdamW (default: 5e-4)")
     ap.add_argument("--seed", type=int, default=0, help="of the windows' order and the replay's (default: 0)")
     ap.add_argument("--general", nargs="+", help="text files or .npy ids it must stay good at (default: 8 modules "
                                                   "of the Python standard library)")

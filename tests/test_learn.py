@@ -219,7 +219,9 @@ def test_the_verdict_needs_held_out_up_by_more_than_the_noise_and_general_within
     assert v["margin"] == pytest.approx(2 * np.sqrt(1.5 * (0.01 + 0.01) * 100) / 30)  # paired over 3 requests
     noisy = {**steady, "held_out": [(19.0, 10), (6.0, 10), (14.0, 10)]}  # the same mean, spread wide
     assert not learn.verdict(before, noisy)["better"]
-    assert not learn.verdict(before, {**steady, "general": [(9.7, 10)]})["better"]
+    two = {"held_out": before["held_out"], "general": [(10.0, 10), (10.0, 10)]}
+    assert not learn.verdict(two, {**steady, "general": [(9.7, 10), (9.7, 10)]})["better"]  # -3%, no noise
+    assert learn.verdict(two, {**steady, "general": [(9.0, 10), (10.4, 10)]})["better"]  # -3%, within noise
     assert learn.paired_margin([(1.0, 5)], [(3.0, 5)]) == float("inf")  # one request: no bound
 
 
@@ -449,29 +451,30 @@ def test_the_target_features_kept_are_the_ones_computed_afresh(adapted):
 
 
 def test_minutes_bound_the_whole_run_and_progress_says_how_long(monkeypatch, tmp_path):
-    """A target slowed to 0.2 s a forward and a 9 s budget: two held-out batches measured of three,
-    training cut to what fits, the run within its time; a line before any work, then an estimate."""
+    """A target slowed to 0.5 s a forward and an 8 s budget (2 s to measure before): not all three held-out
+    batches measured, training cut to what fits, the run within its time; a line before any work, then
+    an estimate."""
     pass_ = distill.target_pass
     times, lines = [], []
 
     def slow(target, tokens):
         times.append(time.perf_counter())
-        time.sleep(0.2)
+        time.sleep(0.5)
         return pass_(target, tokens)
 
     monkeypatch.setattr(distill, "target_pass", slow)
     records = kept(tmp_path / "c", greedy(3, 200))
     started = time.perf_counter()
-    report, _ = run_adapt(records, tmp_path / "o", minutes=0.15, steps=300, progress=lambda s: lines.append(
+    report, _ = run_adapt(records, tmp_path / "o", minutes=8 / 60, steps=300, progress=lambda s: lines.append(
         (time.perf_counter(), s)))
     took = time.perf_counter() - started
-    assert report["held_out_requests"] == 16 and 1 <= report["steps"] < 300
-    assert took < 9 * 1.3 + 2, took
+    assert report["held_out_requests"] in (8, 16) and 1 <= report["steps"] < 300  # of 20: a bounded sample
+    assert took < 8 * 1.3 + 2, took
     assert lines[0][0] < times[0] and lines[0][1].startswith("measuring the drafter on 6 general sequences and up "
                                                              "to 20 held-out requests")
     for at, line in lines[1:-1]:
         left = float(line.split("~")[1].split(" s left")[0])
-        assert at - started + left <= 9 + 1, line  # never past the bound
+        assert at - started + left <= 8 + 1, line  # never past the bound
     assert any(f"step {report['steps']}/" in line for _, line in lines)
 
 

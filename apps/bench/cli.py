@@ -282,8 +282,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the adaptation's whole time, measuring before and after included, as "
                         "`python -m mlx_mtp.learn --minutes` (default: 15)")
     L.add_argument("--seq", type=int, default=128, help="(default: 128)")
-    L.add_argument("--batch", type=int, default=8, help="(default: 8)")
-    L.add_argument("--lr", type=float, default=3e-3, help="(default: 3e-3)")
+    L.add_argument("--batch", type=int, default=4, help="(default: 4)")
+    L.add_argument("--lr", type=float, default=5e-4, help="(default: 5e-4)")
     L.add_argument("--seed", type=int, default=0, help="(default: 0)")
     L.add_argument("--wall-prompts", type=int, default=12, help="held-out prompts timed at B = 1")
     L.add_argument("--real-step", metavar="SHAPES", help="instead: one distillation step of these released "

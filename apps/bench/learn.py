@@ -1,20 +1,19 @@
-"""`python -m apps.bench learn`: the demo drafter adapted to traffic of a kind it never saw (issue 37).
+"""`python -m apps.bench learn`: the demo drafter adapted to traffic of a kind it never saw (issues 37, 43).
 
-0. Target: the shipped demo target answers every prompt with stdlib-style code (it was trained on
-   nothing else), so its replies never leave its drafter's domain. `--tune-steps` (default 40) first
-   fine-tunes it on tool-call transcripts, half of each batch stdlib code as before, so that it answers
-   such prompts in kind, as a real target does; its drafter stays the stock one (`--tune-steps 0`: the
-   shipped target).
-1. Traffic: `--requests` JSON tool-call transcripts (a conversation's messages with tool calls and
-   results, of random tools, arguments and values, cut where the assistant's next message begins),
-   answered by that target through an `Engine` that keeps them (`learn_dir`), MTP on, sampled at
-   `--temperature` (0.8: greedy replies of the shipped target to such prompts fall at once into a
-   repeat, "1, 1, 1, ...").
-2. Adaptation: `mlx_mtp.learn.adapt` on it, training capped at `--minutes`: accepted drafts per round
-   (K = 3) before and after, on the newest tenth of the requests (held out) and on the general sample
-   (standard library modules), and whether the adapted drafter was written.
-3. Wall clock: the held-out prompts again, one at a time (B = 1), greedy, plain and MTP `auto` with the
-   drafter before and after; tok/s and whether MTP's tokens equal plain decoding's.
+0. Target: `--traffic c` (the default): the shipped demo target, prompted with excerpts of C (this Python's
+   C API headers; the pair was trained on Python only). `--traffic tool-calls`: JSON tool-call transcripts,
+   for which `--tune-steps` (default 40 there) first fine-tunes the target, half of each batch stdlib code as
+   before, so that it answers them in kind as a real target does (the shipped one answers every prompt with
+   stdlib-style code); the drafter stays the stock one.
+1. Traffic: `--requests` prompts answered by that target through an `Engine` that keeps them (`learn_dir`),
+   MTP on, sampled at `--temperature` (0.8: greedy replies of the shipped target fall at once into a repeat,
+   "1, 1, 1, ..."). Served once: `--captures DIR` keeps them, and a rerun serves only what is missing.
+2. Adaptation: `mlx_mtp.learn.adapt` on it within `--minutes`, measuring included (as `python -m
+   mlx_mtp.learn --minutes`): accepted drafts per round (K = 3) before and after, on the newest tenth of the
+   requests (held out; the sample that fits a quarter of the time) and on the general sample (standard
+   library modules), the noise margin, whether the adapted drafter was written, and where the time went.
+3. Wall clock (`--wall-prompts`, 0: skipped): the held-out prompts again, one at a time (B = 1), greedy,
+   plain and MTP `auto` with the drafter before and after; tok/s and whether MTP's tokens equal plain's.
 
 `--real-step 31b,26b-a4b` instead times one distillation step of the released assistants at their real
 size (random weights and target features): the plan for adapting them on a Mac in `apps/README.md`.
@@ -221,9 +220,12 @@ def learn_md(res: dict) -> str:
         return section("Learn: one distillation step at a released assistant's size",
                        table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"], rows))
     a = res["adapt"]
-    rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}"],
-            ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}"]]
+    rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}",
+             f"{a['after']['held_out'] - a['before']['held_out']:+.3f} (margin {a['margin']:.3f})"],
+            ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}",
+             f"{a['after']['general'] - a['before']['general']:+.3f}"]]
     target = f"tuned on tool calls for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
+    times = ", ".join(f"{name.replace('_', ' ')} {s:.0f} s" for name, s in a.get("times", {}).items())
     walls = [f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
              f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}"
              for when, w in res["wall_clock"].items()]
@@ -231,11 +233,11 @@ def learn_md(res: dict) -> str:
              f"{res['served_acceptance']:.2f} drafts accepted per MTP round while serving.",
              f"{res['tokens']} captured tokens; {a['train_requests']} requests trained on ({a['train_tokens']} "
              f"tokens with the replay), {a['held_out_requests']} held out; {a['steps']} steps in "
-             f"{a['seconds']:.0f} s; written: {a['written']}.",
-             table(["accepted drafts per round (K=3)", "before", "after"], rows)]
+             f"{a['seconds']:.0f} s ({times}); written: {a['written']}.",
+             table(["accepted drafts per round (K=3)", "before", "after", "change"], rows)]
     if walls:
         parts.append("\n".join(walls))
-    return section(f"Learn: the demo drafter adapted to {res['requests']} served tool-call transcripts", *parts)
+    return section(f"Learn: the demo drafter adapted to {res['requests']} served {TRAFFIC[res['traffic']]}", *parts)
 
 
 def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> dict:
