@@ -214,6 +214,7 @@ class Adaptation:
         self.budget = None if minutes is None else 60 * minutes
         if self.before is None:  # a resumed adaptation keeps the measure of the drafter it started from
             self.before = yield from self._measure_before()
+            self.times["measure_before"] = time.perf_counter() - self.started
         self.held.keep(len(self.before["held_out"]))  # the sample measured before, measured after
         self.phase = "training"
         yield None  # the phase's first line, before its first step
@@ -232,6 +233,7 @@ class Adaptation:
                 self.distiller.steps = max(self.distiller.done, min(self.max_steps, fit))
             yield loss
         self.phase, self.measured, self.to_measure = "measuring after", 0, len(self.held) + len(self.general)
+        began = time.perf_counter()
         after = {"held_out": [], "general": []}
         self.drafter.eval()
         for name, m in (("held_out", self.held), ("general", self.general)):
@@ -240,6 +242,7 @@ class Adaptation:
                 self.measured += len(m.batches[i])
                 yield None
         self.report = verdict(self.before, after)
+        self.times["measure_after"] = time.perf_counter() - began
         self.times["measure_target"] = self.held.seconds["target"] + self.general.seconds["target"]
         self.times["measure_drafter"] = self.held.seconds["drafter"] + self.general.seconds["drafter"]
         self.report.update(k=K, steps=self.distiller.done, train_requests=self.requests, train_tokens=self.tokens,
@@ -326,6 +329,15 @@ def say(report: dict) -> str:
             f"{report['general_margin']:.3f})")
 
 
+def where_the_time_went(report: dict) -> str:
+    t = report["times"]
+    before = f"measuring before {t['measure_before']:.0f} s, " if "measure_before" in t else ""
+    return (f"{report['seconds']:.0f} s: {before}training {report['steps']} steps "
+            f"{t['train_target'] + t['train_drafter']:.0f} s (the target's features {t['train_target']:.0f} s, "
+            f"the drafter's steps {t['train_drafter']:.0f} s), measuring after {t['measure_after']:.0f} s; measuring "
+            f"took the target {t['measure_target']:.0f} s and the drafter {t['measure_drafter']:.0f} s")
+
+
 def _change(before: float, after: float) -> str:
     return f"{100 * (after - before) / before:+.1f}%" if before else "from 0"
 
@@ -357,6 +369,7 @@ def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300,
             _checkpoint(a.distiller, partial, {"key": key, "before": a.before})
     bar.close()
     report = dict(a.report, seconds=round(time.perf_counter() - started, 1), written=a.report["better"], out=str(out))
+    progress(where_the_time_went(report))
     if report["written"]:
         distill.save_drafter(a.drafter, a.config, out, extra=report, dtype=a.dtype)
         progress(f"wrote {out}: {say(report)}")

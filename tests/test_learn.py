@@ -472,10 +472,11 @@ def test_minutes_bound_the_whole_run_and_progress_says_how_long(monkeypatch, tmp
     assert took < 8 * 1.3 + 2, took
     assert lines[0][0] < times[0] and lines[0][1].startswith("measuring the drafter on 6 general sequences and up "
                                                              "to 20 held-out requests")
-    for at, line in lines[1:-1]:
+    for at, line in lines[1:-2]:  # the last two: where the time went, the verdict
         left = float(line.split("~")[1].split(" s left")[0])
         assert at - started + left <= 8 + 1, line  # never past the bound
     assert any(f"step {report['steps']}/" in line for _, line in lines)
+    assert lines[-2][1].startswith(f"{report['seconds']:.0f} s: measuring before ")
 
 
 def test_help_gives_every_default():
