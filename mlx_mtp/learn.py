@@ -76,7 +76,7 @@ def general_sample(tokenizer, paths: Optional[Sequence[Path]] = None, chunks: in
 class Measure:
     """Accepted drafts per round of K on fixed (ids, first) sequences, measured in batches of `batch`
     rows; the target's features of each batch are kept, so a second measure (after training) runs only
-    the drafter. `totals` holds, per sequence measured, (accepted drafts summed, positions)."""
+    the drafter. `run` gives, per sequence, (accepted drafts summed, positions): `mean`, `paired_margin`."""
 
     def __init__(self, target, sequences: Sequence[tuple], batch: int = BATCH_MEASURE):
         usable = [(np.asarray(ids, np.int32), first) for ids, first in sequences if len(ids) - K > max(first, 1)]
