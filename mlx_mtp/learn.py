@@ -4,10 +4,13 @@ Acceptance, the multiple every MTP speedup is of, depends on how well the drafte
 user's target outputs. `DIR` holds served requests (`mlx_mtp.capture`: the server's `--learn-dir`);
 the drafter is distilled on them (`mlx_mtp.distill`) and judged on the newest tenth, which training
 never sees, and on a general sample (by default the Python standard library's source, text any
-machine has): NEW is written only if the drafts it makes on held-out traffic are accepted more, and
-those on the general sample at most 2% less (else one line says so). The drafter it starts from is
-never written to. Training goes in checkpoints (`NEW.partial`), so a run that is stopped resumes where
-it was. An adapted drafter changes no output: the target decides every token, greedy or sampled.
+machine has): NEW is written only if the drafts it makes on held-out traffic are accepted more, by more
+than the measurement's noise (two standard errors, paired request by request), and those on the general
+sample at most 2% less beyond theirs (else one line says so). `--minutes` bounds the whole run: the
+held-out sample measured is what fits in a quarter of it, training gets the rest; the target's features
+are computed once per window and kept. The drafter it starts from is never written to. Training goes in
+checkpoints (`NEW.partial`), so a run that is stopped resumes where it was. An adapted drafter changes no
+output: the target decides every token, greedy or sampled.
 
 `Learner` is the same, in an `Engine` (`learn_every`): after that many new requests it adapts, a step
 at a time while the engine is idle, and puts the drafter it wrote in service.

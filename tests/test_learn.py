@@ -483,3 +483,12 @@ def test_help_gives_every_default():
     for action in learn.parser()._actions:
         if action.option_strings and action.dest not in ("help", "out"):
             assert "default" in action.help, action.dest
+
+
+def test_the_benchs_c_traffic_is_excerpts_of_c_cut_at_line_ends():
+    from apps.bench.learn import c_header_prompts
+
+    prompts = c_header_prompts(20, seed=3)
+    assert prompts == c_header_prompts(20, seed=3) and prompts != c_header_prompts(20, seed=4)
+    assert all(p.endswith("\n") and 0 < len(p) <= 1000 for p in prompts)
+    assert sum(("#" in p) or (";" in p) for p in prompts) >= 15  # C: preprocessor lines, statements
