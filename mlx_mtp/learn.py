@@ -176,7 +176,7 @@ class Adaptation:
     interleave it with requests; within `minutes`, measuring included."""
 
     def __init__(self, target, drafter_dir, records: Sequence[capture.Record], general: list, *, steps: int = 300,
-                 seq: int = 128, batch: int = 4, lr: float = 5e-4, seed: int = 0, replay: Optional[np.ndarray] = None,
+                 seq: int = 128, batch: int = 4, lr: float = 1e-3, seed: int = 0, replay: Optional[np.ndarray] = None,
                  measure: int = 128):
         if len(records) < MIN_REQUESTS:
             raise ValueError(f"{len(records)} captured requests; adapting needs at least {MIN_REQUESTS}")
@@ -346,7 +346,7 @@ def _change(before: float, after: float) -> str:
 
 
 def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 4,
-          lr: float = 5e-4, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
+          lr: float = 1e-3, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
           replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print) -> dict:
     """Adapt within `minutes` (None: unbounded), resuming from `out`.partial if a run with these inputs
     stopped there; write `out` only if the adapted drafter is better. Returns the report (with `written`)."""
@@ -542,7 +542,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=128, help="tokens per training and measured window: a request's "
                                                          "reply and the end of its prompt (default: 128)")
     ap.add_argument("--batch", type=int, default=4, help="windows per training step (default: 4)")
-    ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, AdamW (default: 5e-4)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, AdamW (default: 1e-3)")
     ap.add_argument("--seed", type=int, default=0, help="of the windows' order and the replay's (default: 0)")
     ap.add_argument("--general", nargs="+", help="text files or .npy ids it must stay good at (default: 8 modules "
                                                   "of the Python standard library)")

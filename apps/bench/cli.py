@@ -283,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                         "`python -m mlx_mtp.learn --minutes` (default: 15)")
     L.add_argument("--seq", type=int, default=128, help="(default: 128)")
     L.add_argument("--batch", type=int, default=4, help="(default: 4)")
-    L.add_argument("--lr", type=float, default=5e-4, help="(default: 5e-4)")
+    L.add_argument("--lr", type=float, default=1e-3, help="(default: 1e-3)")
     L.add_argument("--seed", type=int, default=0, help="(default: 0)")
     L.add_argument("--wall-prompts", type=int, default=12, help="held-out prompts timed at B = 1")
     L.add_argument("--real-step", metavar="SHAPES", help="instead: one distillation step of these released "
