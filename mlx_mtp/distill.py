@@ -281,17 +281,21 @@ class Distiller:
         self.target, self.drafter, self.k, self.steps, self.done = target, drafter, k, steps, 0
         self.rng = np.random.default_rng(seed)
         self.data = batches(stream, batch, seq, self.rng) if stream is not None else None
-        warmup = max(1, steps // 20) if warmup is None else warmup
-        schedule = optim.join_schedules(
-            [optim.linear_schedule(lr / warmup, lr, warmup),
-             optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)], [warmup])
-        self.opt = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=weight_decay)
+        self.lr, self.warmup = lr, warmup
+        self.opt = optim.AdamW(learning_rate=self._rate, betas=[0.9, 0.95], weight_decay=weight_decay)
 
         def loss_fn(model, embeds, hidden, labels, shared):
             loss, ces, agree = losses(model, embeds, hidden, labels, shared, k)
             return loss, (mx.stack(ces), mx.stack(agree))
 
         self._step = nn.value_and_grad(drafter, loss_fn)
+
+    def _rate(self, step: mx.array) -> mx.array:
+        """Linear warm-up, then cosine decay to a tenth over `steps`, read at each update: a run bounded
+        in time may set `steps` to what fits once a step's time is known."""
+        lr, warmup = self.lr, max(1, self.steps // 20) if self.warmup is None else self.warmup
+        return optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup),
+                                     optim.cosine_decay(lr, max(1, self.steps - warmup), lr * 0.1)], [warmup])(step)
 
     def step(self) -> tuple[float, np.ndarray]:
         """One optimizer step on the next batch: (loss, agreement per draft step)."""
@@ -310,7 +314,7 @@ class Distiller:
         """(arrays: the drafter's weights and the optimizer's state; the step and the data's random state)."""
         arrays = {f"drafter.{k}": v for k, v in tree_flatten(self.drafter.parameters())}
         arrays |= {f"opt.{k}": v for k, v in tree_flatten(self.opt.state)}
-        return arrays, {"done": self.done, "rng": self.rng.bit_generator.state}
+        return arrays, {"done": self.done, "steps": self.steps, "rng": self.rng.bit_generator.state}
 
     def restore(self, arrays: dict, info: dict) -> None:
         from mlx.utils import tree_unflatten
@@ -318,6 +322,7 @@ class Distiller:
         self.drafter.update(tree_unflatten([(k[8:], v) for k, v in arrays.items() if k.startswith("drafter.")]))
         self.opt.state = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
         self.done, self.rng.bit_generator.state = info["done"], info["rng"]
+        self.steps = info.get("steps", self.steps)
 
 
 def train(target, drafter, stream: np.ndarray, *, steps: int = 300, k: int = 3, seq: int = 256,
@@ -398,10 +403,27 @@ def accepted_runs(target, drafter, ids, first: int, k: int = 3) -> np.ndarray:
     ids = np.asarray(ids, np.int32)
     if len(ids) - k <= max(first, 1):
         return np.zeros(0)
-    embeds, hidden, labels, shared = target_pass(target, mx.array(ids[None]))
+    return runs_on(drafter, rows_pass(target, [ids]), [first], [len(ids)], k)[0]
+
+
+def rows_pass(target, rows: Sequence[np.ndarray]) -> tuple:
+    """`target_pass` over several id rows at once, right-padded to the longest: attention is causal, so
+    a row's padding changes none of its own positions' features."""
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return target_pass(target, mx.array(tokens))
+
+
+def runs_on(drafter, features: tuple, firsts: Sequence[int], lengths: Sequence[int], k: int = 3) -> list[np.ndarray]:
+    """`accepted_runs` of each row of a `rows_pass` (row i: positions firsts[i] .. lengths[i] - k), the
+    drafter run only from the earliest position measured: the target's features can be kept and reused."""
+    embeds, hidden, labels, shared = features
+    start = max(1, min(firsts))
     right = []
-    for j, lg in enumerate(unroll(drafter, embeds, hidden, shared, k)):
+    for j, lg in enumerate(unroll(drafter, embeds, hidden, shared, k, start)):
         lg = lg[0] if isinstance(lg, tuple) else lg
-        right.append(np.array(mx.argmax(lg, axis=-1) == labels[:, 1 + j : 1 + j + lg.shape[1]])[0])
-    runs = np.cumprod(np.stack(right), axis=0).sum(axis=0)  # row t drafts from position p = 1 + t
-    return runs[max(first, 1) - 1 :].astype(np.float64)
+        right.append(mx.argmax(lg, axis=-1) == labels[:, start + j : start + j + lg.shape[1]])
+    runs = np.cumprod(np.array(mx.stack(right)), axis=0).sum(axis=0)  # (rows, T): column t drafts from start + t
+    return [runs[i, max(f, 1) - start : max(n - k - start + 1, max(f, 1) - start)].astype(np.float64)
+            for i, (f, n) in enumerate(zip(firsts, lengths))]

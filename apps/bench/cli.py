@@ -269,21 +269,27 @@ def parser() -> argparse.ArgumentParser:
     L = sub.add_parser("learn", help="the demo drafter adapted to served traffic of a kind it never saw: "
                                      "acceptance before and after, wall clock (issue 37)")
     common(L, "learn")
-    L.add_argument("--requests", type=int, default=2000, help="tool-call transcripts served and kept")
-    L.add_argument("--max-tokens", type=int, default=48, help="tokens per reply")
-    L.add_argument("--temperature", type=float, default=0.8, help="of the served replies (seeded per request)")
+    L.add_argument("--traffic", choices=("c", "tool-calls"), default="c",
+                   help="what is served: excerpts of this Python's C headers (C, new to the demo pair) or JSON "
+                        "tool-call transcripts (default: c)")
+    L.add_argument("--requests", type=int, default=800, help="requests served and kept (default: 800)")
+    L.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default: 64)")
+    L.add_argument("--temperature", type=float, default=0.8,
+                   help="of the served replies, seeded per request (default: 0.8)")
     L.add_argument("--captures", help="a working directory to reuse: the tuned target, the captured requests "
                                       "(served into when short of --requests), the adapted drafter")
-    L.add_argument("--tune-steps", type=int, default=40,
+    L.add_argument("--tune-steps", type=int,
                    help="fine-tune the demo target on tool-call transcripts first, so that it answers them in "
-                        "kind (0: the shipped target, which answers every prompt with stdlib-style code)")
-    L.add_argument("--steps", type=int, default=300)
-    L.add_argument("--minutes", type=float, default=8.0,
-                   help="the adaptation's training time cap (measuring before and after comes on top)")
-    L.add_argument("--seq", type=int, default=128)
-    L.add_argument("--batch", type=int, default=4)
-    L.add_argument("--lr", type=float, default=1e-3)
-    L.add_argument("--seed", type=int, default=0)
+                        "kind (0: the shipped target, which answers every prompt with stdlib-style code; "
+                        "default: 40 with --traffic tool-calls, else 0)")
+    L.add_argument("--steps", type=int, default=300, help="training steps at most (default: 300)")
+    L.add_argument("--minutes", type=float, default=15.0,
+                   help="the adaptation's whole time, measuring before and after included, as "
+                        "`python -m mlx_mtp.learn --minutes` (default: 15)")
+    L.add_argument("--seq", type=int, default=128, help="(default: 128)")
+    L.add_argument("--batch", type=int, default=4, help="(default: 4)")
+    L.add_argument("--lr", type=float, default=1e-3, help="(default: 1e-3)")
+    L.add_argument("--seed", type=int, default=0, help="(default: 0)")
     L.add_argument("--wall-prompts", type=int, default=12, help="held-out prompts timed at B = 1")
     L.add_argument("--real-step", metavar="SHAPES", help="instead: one distillation step of these released "
                                                           "assistants (31b,26b-a4b) at real size, time and memory")

@@ -1,20 +1,19 @@
-"""`python -m apps.bench learn`: the demo drafter adapted to traffic of a kind it never saw (issue 37).
+"""`python -m apps.bench learn`: the demo drafter adapted to traffic of a kind it never saw (issues 37, 43).
 
-0. Target: the shipped demo target answers every prompt with stdlib-style code (it was trained on
-   nothing else), so its replies never leave its drafter's domain. `--tune-steps` (default 40) first
-   fine-tunes it on tool-call transcripts, half of each batch stdlib code as before, so that it answers
-   such prompts in kind, as a real target does; its drafter stays the stock one (`--tune-steps 0`: the
-   shipped target).
-1. Traffic: `--requests` JSON tool-call transcripts (a conversation's messages with tool calls and
-   results, of random tools, arguments and values, cut where the assistant's next message begins),
-   answered by that target through an `Engine` that keeps them (`learn_dir`), MTP on, sampled at
-   `--temperature` (0.8: greedy replies of the shipped target to such prompts fall at once into a
-   repeat, "1, 1, 1, ...").
-2. Adaptation: `mlx_mtp.learn.adapt` on it, training capped at `--minutes`: accepted drafts per round
-   (K = 3) before and after, on the newest tenth of the requests (held out) and on the general sample
-   (standard library modules), and whether the adapted drafter was written.
-3. Wall clock: the held-out prompts again, one at a time (B = 1), greedy, plain and MTP `auto` with the
-   drafter before and after; tok/s and whether MTP's tokens equal plain decoding's.
+0. Target: `--traffic c` (the default): the shipped demo target, prompted with excerpts of C (this Python's
+   C API headers; the pair was trained on Python only). `--traffic tool-calls`: JSON tool-call transcripts,
+   for which `--tune-steps` (default 40 there) first fine-tunes the target, half of each batch stdlib code as
+   before, so that it answers them in kind as a real target does (the shipped one answers every prompt with
+   stdlib-style code); the drafter stays the stock one.
+1. Traffic: `--requests` prompts answered by that target through an `Engine` that keeps them (`learn_dir`),
+   MTP on, sampled at `--temperature` (0.8: greedy replies of the shipped target fall at once into a repeat,
+   "1, 1, 1, ..."). Served once: `--captures DIR` keeps them, and a rerun serves only what is missing.
+2. Adaptation: `mlx_mtp.learn.adapt` on it within `--minutes`, measuring included (as `python -m
+   mlx_mtp.learn --minutes`): accepted drafts per round (K = 3) before and after, on the newest tenth of the
+   requests (held out; the sample that fits a quarter of the time) and on the general sample (standard
+   library modules), the noise margin, whether the adapted drafter was written, and where the time went.
+3. Wall clock (`--wall-prompts`, 0: skipped): the held-out prompts again, one at a time (B = 1), greedy,
+   plain and MTP `auto` with the drafter before and after; tok/s and whether MTP's tokens equal plain's.
 
 `--real-step 31b,26b-a4b` instead times one distillation step of the released assistants at their real
 size (random weights and target features): the plan for adapting them on a Mac in `apps/README.md`.
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+TRAFFIC = {"c": "excerpts of C headers", "tool-calls": "tool-call transcripts"}
 TOOLS = {"get_weather": ("city", "unit"), "search_files": ("pattern", "path"), "send_email": ("to", "subject"),
          "create_event": ("title", "date"), "run_query": ("sql", "database"), "translate": ("text", "language")}
 VALUES = ["Paris", "celsius", "*.py", "/home/ana/src", "bob@example.com", "Quarterly report", "Team sync",
@@ -64,6 +64,24 @@ def call(rng) -> tuple[str, dict]:
 
 def tool_call_prompts(n: int, seed: int = 0) -> list[str]:
     return [prompt for prompt, _ in tool_call_transcripts(n, seed)]
+
+
+def c_header_prompts(n: int, seed: int = 0, chars: int = 1000) -> list[str]:
+    """`n` excerpts of C code (this Python's own C API headers, `sysconfig`'s include directory: C that any
+    Python install has and the demo pair never saw), each about `chars` long and cut at a line's end."""
+    import sysconfig
+
+    headers = sorted(Path(sysconfig.get_paths()["include"]).rglob("*.h"))
+    texts = [t for t in (h.read_text(encoding="utf-8", errors="replace") for h in headers) if len(t) > 2 * chars]
+    if not texts:
+        raise FileNotFoundError(f"no C headers under {sysconfig.get_paths()['include']} (install Python's headers)")
+    rng, out = np.random.default_rng(seed), []
+    for _ in range(n):
+        text = texts[int(rng.integers(len(texts)))]
+        start = text.find("\n", int(rng.integers(0, len(text) - chars))) + 1
+        end = text.rfind("\n", start, start + chars) + 1
+        out.append(text[start : end if end > start else start + chars])
+    return out
 
 
 def tuned_target(folder: Path, steps: int, log) -> Path:
@@ -158,27 +176,30 @@ def run_learn(args, log=print) -> dict:
 
     folder = Path(args.captures or tempfile.mkdtemp(prefix="mlx_mtp-learn-"))
     folder.mkdir(parents=True, exist_ok=True)
-    target_dir = tuned_target(folder, args.tune_steps, log) if args.tune_steps else TARGET_DIR
+    tune = args.tune_steps if args.tune_steps is not None else (40 if args.traffic == "tool-calls" else 0)
+    target_dir = tuned_target(folder, tune, log) if tune else TARGET_DIR
     loaded = load(target_dir, DRAFTER_DIR, dtype=mx.float32)
     res = dict(mode="learn", requests=args.requests, max_tokens=args.max_tokens, captures=str(folder),
-               temperature=args.temperature, tune_steps=args.tune_steps)
+               temperature=args.temperature, tune_steps=tune, traffic=args.traffic)
     kept = folder / "captured"
-    if len(list(capture.read(kept))) < args.requests:
-        log(f"serving {args.requests} tool-call transcripts through the demo pair, kept in {kept}")
-        res["serve_s"] = capture_traffic(loaded, tool_call_prompts(args.requests, args.seed), kept,
-                                         args.max_tokens, args.temperature, log)
-    records = list(capture.read(kept))
+    have = len(list(capture.read(kept)))
+    if have < args.requests:  # served once: a rerun on --captures reuses them
+        prompts = (tool_call_prompts if args.traffic == "tool-calls" else c_header_prompts)(args.requests, args.seed)
+        log(f"serving {args.requests - have} {TRAFFIC[args.traffic]} through the demo pair, kept in {kept}")
+        res["serve_s"] = capture_traffic(loaded, prompts[have:], kept, args.max_tokens, args.temperature, log)
+    records = sorted(capture.read(kept), key=lambda r: r.time)[-args.requests :]
     res["tokens"] = int(sum(len(r.prompt) + len(r.reply) for r in records))
     res["served_acceptance"] = sum(r.accepted for r in records) / max(1, sum(r.rounds for r in records))
+    started = time.perf_counter()  # --minutes bounds the adaptation from here, as `mlx_mtp.learn`'s whole run
     tokenizer = loaded.tokenizer
     replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
     out = folder / "adapted"
-    res["adapt"] = learn.adapt(loaded.target, DRAFTER_DIR, records, learn.general_sample(tokenizer), out,
-                               steps=args.steps, minutes=args.minutes, replay=replay, seq=args.seq,
-                               batch=args.batch, lr=args.lr, progress=log)
+    res["adapt"] = learn.adapt(loaded.target, DRAFTER_DIR, records, learn.general_sample(tokenizer, seq=args.seq),
+                               out, steps=args.steps, minutes=args.minutes - (time.perf_counter() - started) / 60,
+                               replay=replay, seq=args.seq, batch=args.batch, lr=args.lr, progress=log)
     held = [list(map(int, r.prompt)) for r in learn.split(records)[1]][: args.wall_prompts]
-    res["wall_clock"] = {"before": wall_clock(loaded, loaded.drafter, held, args.max_tokens)}
-    if res["adapt"]["written"]:
+    res["wall_clock"] = {"before": wall_clock(loaded, loaded.drafter, held, args.max_tokens)} if held else {}
+    if res["adapt"]["written"] and held:
         res["wall_clock"]["after"] = wall_clock(loaded, load_model(out, dtype=mx.float32)[0], held, args.max_tokens)
     for when, w in res["wall_clock"].items():
         log(f"  held-out B=1, {when}: plain {w['plain']:.1f} tok/s, auto {w['auto']:.1f} tok/s "
@@ -198,9 +219,12 @@ def learn_md(res: dict) -> str:
         return section("Learn: one distillation step at a released assistant's size",
                        table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"], rows))
     a = res["adapt"]
-    rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}"],
-            ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}"]]
+    rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}",
+             f"{a['after']['held_out'] - a['before']['held_out']:+.3f} (margin {a['margin']:.3f})"],
+            ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}",
+             f"{a['after']['general'] - a['before']['general']:+.3f}"]]
     target = f"tuned on tool calls for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
+    times = ", ".join(f"{name.replace('_', ' ')} {s:.0f} s" for name, s in a.get("times", {}).items())
     walls = [f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
              f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}"
              for when, w in res["wall_clock"].items()]
@@ -208,11 +232,11 @@ def learn_md(res: dict) -> str:
              f"{res['served_acceptance']:.2f} drafts accepted per MTP round while serving.",
              f"{res['tokens']} captured tokens; {a['train_requests']} requests trained on ({a['train_tokens']} "
              f"tokens with the replay), {a['held_out_requests']} held out; {a['steps']} steps in "
-             f"{a['seconds']:.0f} s; written: {a['written']}.",
-             table(["accepted drafts per round (K=3)", "before", "after"], rows)]
+             f"{a['seconds']:.0f} s ({times}); written: {a['written']}.",
+             table(["accepted drafts per round (K=3)", "before", "after", "change"], rows)]
     if walls:
         parts.append("\n".join(walls))
-    return section(f"Learn: the demo drafter adapted to {res['requests']} served tool-call transcripts", *parts)
+    return section(f"Learn: the demo drafter adapted to {res['requests']} served {TRAFFIC[res['traffic']]}", *parts)
 
 
 def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> dict:
