@@ -217,10 +217,10 @@ def say_if_cut(session: Session, max_tokens: Optional[int] = None) -> None:
     if len(session.tokens) >= limit:
         hint = "" if isinstance(session, Completion) else "; /reset to start over"
         print(f"[reply cut at the model's context of {limit} tokens{hint}]", file=sys.stderr, flush=True)
-    elif max_tokens and isinstance(session, Conversation) and limit - len(session.tokens) < 2 * max_tokens:
-        print(f"[{limit - len(session.tokens)} of the model's {limit} context tokens left, for about "
-              f"{(limit - len(session.tokens)) // max_tokens} more replies of up to {max_tokens} tokens: /reset "
-              "starts over, a smaller --max-tokens makes replies shorter]", file=sys.stderr, flush=True)
+    elif max_tokens and isinstance(session, Conversation) and (room := limit - len(session.tokens)) < 2 * max_tokens:
+        more = "the next reply may be cut short" if room < max_tokens else f"room for one more reply of {max_tokens}"
+        print(f"[{room} of the model's {limit} context tokens left, {more}: /reset starts over, a smaller "
+              "--max-tokens makes replies shorter]", file=sys.stderr, flush=True)
 
 
 def details(session: Session) -> str:
