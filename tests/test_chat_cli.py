@@ -5,6 +5,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -271,3 +272,28 @@ def test_a_raw_completion_stops_at_column_0_only_inside_a_block(text, ends):
     stops = chat.block_end(text)
     assert bool(stops) == ends
     assert not ends or {"\nd", "\n@", "\n#", "\n)"} <= set(stops) and not any(s[1:].isspace() for s in stops)
+
+
+def test_the_readmes_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
+    """--raw completes the README's `def walk(...):` to the function's end: the completion run to
+    its budget, cut before its first line at column 0; greedy MTP (K=3, auto) writes the same."""
+    from mlx_mtp.demo import load_demo
+    from mlx_mtp.engine import Engine
+
+    block = (ROOT / "README.md").read_text().split("## Set up", 1)[1].split("```", 2)[1]
+    argv = shlex.split(next(x for x in block.splitlines() if x.startswith("python -m mlx_mtp.chat")))
+    prompt, budget = argv[argv.index("--prompt") + 1], 256
+    with Engine(load_demo(), max_batch=1) as engine:
+        def complete(stop_at_dedent, **options):
+            session = chat.Completion(engine, stop_at_dedent)
+            return "".join(e.text for e in session.reply(prompt, max_tokens=budget, **options)), session.last_stats
+
+        whole, _ = complete(False, mtp=False)
+        end = re.search(r"\n\S", whole)
+        assert end and whole[: end.start()].strip(), whole
+        for options in (dict(mtp=False), dict(draft_tokens=3), dict(draft_tokens="auto")):
+            text, stats = complete(True, **options)
+            assert text == whole[: end.start()], options
+            assert stats.emitted < budget, options  # generation stopped there too
+            if options.get("draft_tokens") == 3:
+                assert stats.rounds and stats.accepted, stats.summary()  # the drafter really drafted
