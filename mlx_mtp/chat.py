@@ -44,6 +44,7 @@ Ctrl-C stops a reply; what was written stays in the conversation. At the prompt 
 
 
 REPLY_TOKENS = 512  # a reply's default budget, where the model's context holds TURNS of them
+RAW_TOKENS = 256  # a --raw completion's: a function or two (a block's end stops it sooner)
 TURNS = 16  # context // TURNS a reply: 10 turns (and their messages) fit, the demo's 2,048 too
 # A line that starts at column 0 ends an indented block (Python's function or class body).
 COLUMN_0 = tuple("\n" + c for c in string.printable if not c.isspace())
@@ -71,8 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     ap.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
-    ap.add_argument("--max-tokens", type=positive_int, help=f"per reply (default: {REPLY_TOKENS}, or less where the "
-                    f"model's context would not hold 10 turns: 1/{TURNS} of it, 128 for the demo pair)")
+    ap.add_argument("--max-tokens", type=positive_int, help=f"per reply (default: {RAW_TOKENS} with --raw; else {REPLY_TOKENS}, or "
+                    f"less where the model's context would not hold 10 turns: 1/{TURNS} of it, 128 for the demo pair)")
     ap.add_argument("--seed", type=int, help="for sampling (default: a fresh one per run)")
     ap.add_argument("--system", help="system message")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
@@ -186,10 +187,10 @@ def block_end(text: str) -> tuple[str, ...]:
 
 
 def default_max_tokens(loaded: Loaded, raw: bool) -> int:
-    """A reply's budget when --max-tokens is not given: REPLY_TOKENS, or in a chat 1/TURNS of the
-    model's context where that is less, so that a 10-turn conversation fits."""
+    """A reply's budget when --max-tokens is not given: RAW_TOKENS for a --raw completion; in a
+    chat REPLY_TOKENS, or 1/TURNS of the model's context where that is less, so that 10 turns fit."""
     if raw:
-        return REPLY_TOKENS
+        return RAW_TOKENS
     return max(16, min(REPLY_TOKENS, loaded.target.config.max_position_embeddings // TURNS))
 
 

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import select
-import shlex
 import shutil
 import signal
 import subprocess
@@ -235,8 +234,8 @@ def test_help_says_the_defaults_and_what_the_demo_runs_with():
     rc, out, _ = run_chat("--help")
     text = " ".join(out.split())
     assert rc == 0
-    for said in ("(default: 0, greedy)", "per reply (default: 512, or less where the model's context would not hold "
-                 "10 turns: 1/16 of it, 128 for the demo pair)", "where a line starts at column 0 (default: on;",
+    for said in ("(default: 0, greedy)", "per reply (default: 256 with --raw; else 512, or less where the model's "
+                 "context would not hold 10 turns: 1/16 of it, 128 for the demo pair)", "where a line starts at column 0 (default: on;",
                  "default: the demo pair's own drafter without "
                  "--model, none (plain decoding) with --model", "(default: auto)", "--raw --prompt 'def walk(top, topdown=True"):
         assert said in text, said
@@ -249,7 +248,8 @@ def test_the_default_reply_budget_lets_ten_turns_fit_and_the_chat_warns_before_t
     sized = lambda context: SimpleNamespace(target=SimpleNamespace(config=SimpleNamespace(
         max_position_embeddings=context)))
     assert chat.default_max_tokens(sized(2048), raw=False) == 128  # the demo pair
-    assert chat.default_max_tokens(sized(131072), raw=False) == chat.default_max_tokens(sized(2048), raw=True) == 512
+    assert chat.default_max_tokens(sized(131072), raw=False) == 512
+    assert chat.default_max_tokens(sized(2048), raw=True) == 256
     small = models[0].parent / "ctx640"
     if not small.exists():
         shutil.copytree(models[0], small)
@@ -274,15 +274,13 @@ def test_a_raw_completion_stops_at_column_0_only_inside_a_block(text, ends):
     assert not ends or {"\nd", "\n@", "\n#", "\n)"} <= set(stops) and not any(s[1:].isspace() for s in stops)
 
 
-def test_the_readmes_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
-    """--raw completes the README's `def walk(...):` to the function's end: the completion run to
-    its budget, cut before its first line at column 0; greedy MTP (K=3, auto) writes the same."""
+def test_a_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
+    """--raw completes a function to its end on the demo pair: the completion run to its budget,
+    cut before its first line at column 0; greedy MTP (K=3, auto) writes the same text."""
     from mlx_mtp.demo import load_demo
     from mlx_mtp.engine import Engine
 
-    block = (ROOT / "README.md").read_text().split("## Set up", 1)[1].split("```", 2)[1]
-    argv = shlex.split(next(x for x in block.splitlines() if x.startswith("python -m mlx_mtp.chat")))
-    prompt, budget = argv[argv.index("--prompt") + 1], 256
+    prompt, budget = 'def exists(path):\n    """Test whether a path exists."""\n', 128
     with Engine(load_demo(), max_batch=1) as engine:
         def complete(stop_at_dedent, **options):
             session = chat.Completion(engine, stop_at_dedent)
@@ -290,7 +288,7 @@ def test_the_readmes_raw_completion_ends_with_its_function_the_same_with_mtp_as_
 
         whole, _ = complete(False, mtp=False)
         end = re.search(r"\n\S", whole)
-        assert end and whole[: end.start()].strip(), whole
+        assert end and whole[: end.start()].strip(), whole  # the demo target ends this function
         for options in (dict(mtp=False), dict(draft_tokens=3), dict(draft_tokens="auto")):
             text, stats = complete(True, **options)
             assert text == whole[: end.start()], options
