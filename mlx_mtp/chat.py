@@ -4,7 +4,9 @@ The chat is a client of an `Engine` (the server's code path: its prefix cache, m
 request semantics): every turn reuses the KV cache of the conversation so far. Without --model it
 runs the small demo pair bundled in `mlx_mtp.demo`. With --prompt it answers once and exits (for
 scripts); without a terminal it reads one message per line from stdin. With --raw each message is
-completed as plain text (no chat template, no history), which suits code models. With --think the
+completed as plain text (no chat template, no history), which suits code models: text that ends
+inside an indented block (a `def f():` line) is completed to the block's end, where the code comes
+back to column 0. With --think the
 model reasons before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to
 stdout.
 """
@@ -15,6 +17,7 @@ import argparse
 import contextlib
 import io
 import signal
+import string
 import sys
 import threading
 from typing import Iterator, Optional, Union
@@ -41,6 +44,13 @@ HELP = """commands:
 Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
 
 
+REPLY_TOKENS = 512  # a reply's default budget, where the model's context holds TURNS of them
+RAW_TOKENS = 256  # a --raw completion's: a function or two (a block's end stops it sooner)
+TURNS = 16  # context // TURNS a reply: 10 turns (and their messages) fit, the demo's 2,048 too
+# A line that starts at column 0 ends an indented block (Python's function or class body).
+COLUMN_0 = tuple("\n" + c for c in string.printable if not c.isspace())
+
+
 EPILOG = """The demo pair, a small model trained on Python's standard library, continues code; it is no
 assistant. Try:
   python -m mlx_mtp.chat --raw --prompt 'def walk(top, topdown=True, onerror=None, followlinks=False):'"""
@@ -63,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0, off)")
     ap.add_argument("--top-k", type=int, default=0, help="(default: 0, off)")
-    ap.add_argument("--max-tokens", type=positive_int, default=512, help="per reply (default: 512)")
+    ap.add_argument("--max-tokens", type=positive_int, help=f"per reply (default: {RAW_TOKENS} with --raw; else {REPLY_TOKENS}, or "
+                    f"less where the model's context would not hold 10 turns: 1/{TURNS} of it, 128 for the demo pair)")
     ap.add_argument("--seed", type=int, help="for sampling (default: a fresh one per run)")
     ap.add_argument("--system", help="system message (default: none)")
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
@@ -76,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default: none)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
                                                        "what the demo pair, a code model, does best (default: off)")
+    ap.add_argument("--stop-at-dedent", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --raw, text that ends inside an indented block (a `def f():` line) is completed "
+                         "to the block's end, where a line starts at column 0 (default: on; --no-stop-at-dedent "
+                         "runs to --max-tokens)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
@@ -130,8 +145,9 @@ class Completion:
 
     enable_thinking = False
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, stop_at_dedent: bool = True):
         self.engine, self.loaded = engine, engine.loaded
+        self.stop_at_dedent = stop_at_dedent
         self.tokens: list[int] = []  # the last completion's prompt and output
         self.last_stats: Optional[Stats] = None
 
@@ -144,7 +160,8 @@ class Completion:
     def reply(self, text: str, max_tokens: int, **options) -> Iterator[TokenEvent]:
         prompt = self.loaded.tokenizer.encode(text)
         room = self.loaded.target.config.max_position_embeddings - len(prompt)
-        handle = self.engine.submit(Request(prompt, max_tokens=max(1, min(max_tokens, room)), **options))
+        stop = block_end(text) if self.stop_at_dedent else ()
+        handle = self.engine.submit(Request(prompt, max_tokens=max(1, min(max_tokens, room)), stop=stop, **options))
         self.tokens, self.last_stats = list(prompt), handle.stats
         return self._stream(handle)
 
@@ -165,6 +182,23 @@ class Completion:
 Session = Union[Conversation, Completion]
 
 
+def block_end(text: str) -> tuple[str, ...]:
+    """Stop strings that end a completion of `text` where its indented block ends (a line at
+    column 0), when `text` ends inside one: its last line opens a block or is indented. They are
+    matched on the reply's text, so greedy output is the same with MTP as without."""
+    last = text.rstrip("\n").rsplit("\n", 1)[-1]
+    opens = last.split("#", 1)[0].rstrip().endswith(":")
+    return COLUMN_0 if opens or last[:1] in (" ", "\t") else ()
+
+
+def default_max_tokens(loaded: Loaded, raw: bool) -> int:
+    """A reply's budget when --max-tokens is not given: RAW_TOKENS for a --raw completion; in a
+    chat REPLY_TOKENS, or 1/TURNS of the model's context where that is less, so that 10 turns fit."""
+    if raw:
+        return RAW_TOKENS
+    return max(16, min(REPLY_TOKENS, loaded.target.config.max_position_embeddings // TURNS))
+
+
 def stat_line(s: Stats) -> str:
     """Where every token of the reply came from, every time (they add up to the total): the first
     from the prompt's forward, the rest from MTP rounds and plain steps; then the speeds."""
@@ -182,12 +216,17 @@ def stat_line(s: Stats) -> str:
             f"first token {s.first_token_seconds * 1000:.0f} ms]")
 
 
-def say_if_cut(session: Session) -> None:
-    """Say so when the last reply stopped because the conversation filled the model's context."""
+def say_if_cut(session: Session, max_tokens: Optional[int] = None) -> None:
+    """Say so when the last reply stopped because the conversation filled the model's context,
+    and in a chat, before that, when two more replies of `max_tokens` might not fit."""
     limit = session.loaded.target.config.max_position_embeddings
     if len(session.tokens) >= limit:
         hint = "" if isinstance(session, Completion) else "; /reset to start over"
         print(f"[reply cut at the model's context of {limit} tokens{hint}]", file=sys.stderr, flush=True)
+    elif max_tokens and isinstance(session, Conversation) and (room := limit - len(session.tokens)) < 2 * max_tokens:
+        more = "the next reply may be cut short" if room < max_tokens else f"room for one more reply of {max_tokens}"
+        print(f"[{room} of the model's {limit} context tokens left, {more}: /reset starts over, a smaller "
+              "--max-tokens makes replies shorter]", file=sys.stderr, flush=True)
 
 
 def details(session: Session) -> str:
@@ -366,7 +405,7 @@ def repl(session: Session, options: dict, interactive: bool) -> None:
         elif command:
             try:
                 answer(session, line, options)
-                say_if_cut(session)
+                say_if_cut(session, options["max_tokens"])
             except ContextLengthError as e:
                 print(f"error: {e}; /reset to start over", file=sys.stderr)
 
@@ -390,14 +429,15 @@ def main(argv=None) -> int:
 
 def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
     """Start the engine the chat is a client of; answer --prompt, or run the REPL."""
-    options = dict(max_tokens=args.max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
+    max_tokens = args.max_tokens or default_max_tokens(loaded, args.raw)
+    options = dict(max_tokens=max_tokens, sampling=sampling, draft_tokens=args.draft_tokens,
                    mtp=not args.no_mtp, seed=args.seed)
     print(banner, file=sys.stderr)
     with Engine(loaded, max_batch=1, draft_tokens=args.draft_tokens) as engine:
         print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
         jit.on_first_compile(lambda: CONSOLE.line(jit.NOTICE))
         if args.raw:
-            session: Session = Completion(engine)
+            session: Session = Completion(engine, args.stop_at_dedent)
         else:
             session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine)
         for path in args.image:

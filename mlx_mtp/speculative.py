@@ -258,8 +258,8 @@ class DraftPolicy:
     first rounds at a batch size measure K = 0 (pipelined plain decoding) and, unless such a
     neighbour exists, K = K_START; after that the best K runs, and every `probe_every` rounds a
     neighbour of it is measured again, so estimates follow the machine. While plain steps win, a
-    one-round probe of K_START only checks whether drafts started being accepted, ever more
-    rarely (drafting that does not pay costs).
+    probe of K_START checks whether drafts started being accepted and measures its cost again,
+    ever more rarely (drafting that does not pay costs).
     """
 
     K_START = 1  # the cheapest drafted round; longer ones are estimated from it, then tried
@@ -327,8 +327,9 @@ class DraftPolicy:
             return best
         self.waited[rows] = 0
         self.decided.pop(rows, None)  # decide afresh once the probe is measured
-        if best == 0:
+        if best == 0:  # a probe long enough to be timed: a cost measured once (a busy moment) is not kept for good
             self.pause[rows] = min(2 * pause, self.MAX_PAUSE)
+            self.probing = [start] * (self.PROBE - 1)
             return start
         self.pause[rows], self.up = self.probe_every, not self.up
         neighbour = min(self.k_max, best + 1) if self.up else best - 1

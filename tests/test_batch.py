@@ -313,5 +313,22 @@ def test_draft_policy_probes_ever_more_rarely_while_drafting_does_not_pay():
         chosen.append(k)
         policy.observe(1, k, [0], 1.0 + k)  # nothing accepted, each draft costs a plain step
     drafted = [i for i, k in enumerate(chosen) if k]
-    assert len(drafted) <= 6 + 6  # exploration, then probes at 16, 32, 64, 128, 256 rounds' pause
+    # exploration, then probes of PROBE rounds (timed) at 16, 32, 64, 128, 256 rounds' pause
+    assert len(drafted) <= 3 + 5 * DraftPolicy.PROBE
     assert all(k == 0 for k in chosen[-100:])
+
+
+def test_a_drafted_round_measured_slow_once_is_measured_again_while_plain_steps_win():
+    """A K_START cost measured in a busy moment (or while kernels compiled) would keep plain
+    steps on for good: the probes while plain steps win time their rounds, and drafting comes
+    back once it pays."""
+    policy = DraftPolicy("auto")
+    chosen, k = [], policy.choose(1)
+    for i in range(300):
+        queued = policy.choose(1)  # pipelined: the next round is queued before this one is read
+        seconds = 1.0 if k == 0 else (6.0 if i < 10 else 1.2)  # drafted rounds: slow at first
+        policy.observe(1, k, [k], seconds if queued == k else None)  # timed only between alike rounds
+        chosen.append(k)
+        k = queued
+    assert DraftPolicy.K_START in chosen[:10] and 0 in chosen[10:20]
+    assert all(k > 0 for k in chosen[-50:])

@@ -5,11 +5,13 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from chat_helpers import DRAFTER, make_chat_model
@@ -232,6 +234,64 @@ def test_help_says_the_defaults_and_what_the_demo_runs_with():
     rc, out, _ = run_chat("--help")
     text = " ".join(out.split())
     assert rc == 0
-    for said in ("(default: 0, greedy)", "per reply (default: 512)", "default: the demo pair's own drafter without "
+    for said in ("(default: 0, greedy)", "per reply (default: 256 with --raw; else 512, or less where the model's "
+                 "context would not hold 10 turns: 1/16 of it, 128 for the demo pair)", "where a line starts at column 0 (default: on;",
+                 "default: the demo pair's own drafter without "
                  "--model, none (plain decoding) with --model", "(default: auto)", "--raw --prompt 'def walk(top, topdown=True"):
         assert said in text, said
+
+
+def test_the_default_reply_budget_lets_ten_turns_fit_and_the_chat_warns_before_the_context_is_full(models):
+    """512 tokens a reply filled the demo's 2,048-token context at turn 4: a reply's default is
+    1/16 of a context that would not hold ten such turns, and while two more replies might not
+    fit, each reply says how much room is left and how to get more."""
+    sized = lambda context: SimpleNamespace(target=SimpleNamespace(config=SimpleNamespace(
+        max_position_embeddings=context)))
+    assert chat.default_max_tokens(sized(2048), raw=False) == 128  # the demo pair
+    assert chat.default_max_tokens(sized(131072), raw=False) == 512
+    assert chat.default_max_tokens(sized(2048), raw=True) == 256
+    small = models[0].parent / "ctx640"
+    if not small.exists():
+        shutil.copytree(models[0], small)
+        edit_config(small, max_position_embeddings=640)  # 40 tokens a reply by default
+    rc, out, err = run_chat("--model", small, stdin="".join(f"hello {i}\n" for i in range(24)).encode())
+    assert rc == 0, err
+    lines = [line for line in err.splitlines() if line.startswith(("[", "error"))]
+    trouble = next(i for i, line in enumerate(lines) if line.startswith(("error", "[reply cut")))
+    replies = [line for line in lines[:trouble] if "tok/s" in line]
+    assert len(replies) >= 10 and all(stat_counts(line)[0] <= 40 for line in replies), err  # 10 turns fit
+    left = [re.match(r"\[(\d+) of the model's 640 context tokens left", line) for line in lines[:trouble]]
+    assert any(left) and all(int(m[1]) < 80 for m in left if m), err  # said before the context filled
+    assert "/reset starts over, a smaller --max-tokens makes replies shorter" in err
+
+
+@pytest.mark.parametrize("text, ends", [("def walk(top, topdown=True):", True), ("class A:  # a class", True),
+                                        ("x = 1\n    y = f(x)\n", True), ("import os", False),
+                                        ("print('a:')", False), ("", False)])
+def test_a_raw_completion_stops_at_column_0_only_inside_a_block(text, ends):
+    stops = chat.block_end(text)
+    assert bool(stops) == ends
+    assert not ends or {"\nd", "\n@", "\n#", "\n)"} <= set(stops) and not any(s[1:].isspace() for s in stops)
+
+
+def test_a_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
+    """--raw completes a function to its end on the demo pair: the completion run to its budget,
+    cut before its first line at column 0; greedy MTP (K=3, auto) writes the same text."""
+    from mlx_mtp.demo import load_demo
+    from mlx_mtp.engine import Engine
+
+    prompt, budget = 'def exists(path):\n    """Test whether a path exists."""\n', 128
+    with Engine(load_demo(), max_batch=1) as engine:
+        def complete(stop_at_dedent, **options):
+            session = chat.Completion(engine, stop_at_dedent)
+            return "".join(e.text for e in session.reply(prompt, max_tokens=budget, **options)), session.last_stats
+
+        whole, _ = complete(False, mtp=False)
+        end = re.search(r"\n\S", whole)
+        assert end and whole[: end.start()].strip(), whole  # the demo target ends this function
+        for options in (dict(mtp=False), dict(draft_tokens=3), dict(draft_tokens="auto")):
+            text, stats = complete(True, **options)
+            assert text == whole[: end.start()], options
+            assert stats.emitted < budget, options  # generation stopped there too
+            if options.get("draft_tokens") == 3:
+                assert stats.rounds and stats.accepted, stats.summary()  # the drafter really drafted

@@ -1,7 +1,7 @@
 """The bundled demo pair: a tiny Gemma-4-architecture target trained on the CPython standard
 library sources and its MTP drafter, in MLX format (bf16 weights, ~20 MB), with a
-SentencePiece tokenizer and a Gemma-4-style chat template. Made by `apps/demo_pair/make_demo_pair.py`
-(see apps/demo_pair/README.md). Runs offline.
+SentencePiece tokenizer and a Gemma-4-style chat template. Made by `apps/demo_pair/make_demo_pair.py`,
+then trained further (apps/demo_pair/README.md, "Continued training"). Runs offline.
 
     from mlx_mtp.demo import load_demo
     loaded = load_demo()          # mlx_mtp.Loaded(target, tokenizer, drafter, eos_ids)
