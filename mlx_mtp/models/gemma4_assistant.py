@@ -119,6 +119,8 @@ class Model(nn.Module):
         if not fused_kernels():
             for layer in self.model.layers:
                 layer.self_attn.rope.table(step)
+            for kind, kv in shared_kv.items():  # every step's layers of a type read these K: one transpose
+                step.scratch[("keys_t", kind)] = kv.keys.swapaxes(-1, -2)
         return step
 
     def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
