@@ -40,8 +40,8 @@ class MTPProposer:
             if processors is not None:
                 logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,
                                                  position)
-            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them, one to embed
-                drafted.append(out.argmax(keepdims=True).astype(mx.int32))
+            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them, one to embed, one cast
+                drafted.append(out.argmax(keepdims=True))
                 tokens, hidden = drafted[-1].reshape(-1), out.hidden
                 continue
             if plan.greedy:
@@ -57,7 +57,9 @@ class MTPProposer:
                 tokens = processors.forced_at(i, tokens)
             drafted.append(tokens)
             hidden = out.hidden
-        tokens = mx.stack(drafted, axis=1) if drafted[0].ndim == 1 else mx.concatenate(drafted, axis=1)
+        if drafted[0].ndim == 2:  # the greedy columns
+            return Drafts(mx.concatenate(drafted, axis=1).astype(mx.int32))
+        tokens = mx.stack(drafted, axis=1)
         return Drafts(tokens, mx.stack(qs, axis=1) if qs else None)
 
 
