@@ -242,7 +242,7 @@ class Attention(nn.Module):
         if shared_kv is None:
             shared_kv = step.store(self.index, k, v)
             keys_t = None
-        else:  # K/V shared by every layer of the type: a forward may transpose their K once (`shared_keys_t`)
+        else:  # K/V shared by every layer of the type: their K may be transposed once (the drafter's `step`)
             keys_t = step.scratch.get(("keys_t", self.layer_type))
         return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch, flat, keys_t), shared_kv
 
@@ -286,7 +286,8 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     GPUs run `mx.fast`'s kernel (or, on NVIDIA GPUs, decode and verify steps mlx_mtp's: `kernels`);
     elsewhere (where that kernel is split into many ops) the heads sharing a K/V head attend as one
     matrix, with no broadcast copies of the K/V; the mask repeated for a group's heads is made once
-    per forward where `scratch` (the step's) is given. `keys_t`: the keys' transpose, where made already."""
+    per forward where `scratch` (the step's) is given. `keys_t`: the keys' transpose, where made already.
+    One query per row may come grouped, (B, n_kv, heads per K/V head, D) (`flat` then)."""
     if fused_kernels():
         out = kernels.attention(q, keys, values, mask, flat=flat)
         if out is not None:
