@@ -40,7 +40,7 @@ class MTPProposer:
             if processors is not None:
                 logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,
                                                  position)
-            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them, one to embed, one cast
+            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them; one to embed
                 drafted.append(out.argmax(keepdims=True))
                 tokens, hidden = drafted[-1].reshape(-1), out.hidden
                 continue

@@ -39,13 +39,16 @@ def test_counts_are_the_same_every_time_and_the_fused_path_has_fewer(dense):
 
 
 def test_a_drafter_step_after_the_first_repeats_nothing_made_once_per_round(dense):
-    """On the CPU, the K/V's transposes, the masks and RoPE tables are made once per round: a third
-    draft adds one drafter step's products, norms and per-layer ops, no transpose, broadcast or new axis."""
+    """On the CPU, the K/V's transposes, the masks (as the scores' addend) and RoPE tables are made once per
+    round: a third draft adds one drafter step's products, norms and per-layer ops, no transpose, broadcast or
+    new axis."""
     with primitives.path("cpu"):
         step = primitives.round_kinds(dense.target, dense.drafter, 1, 3)
         step.subtract(primitives.round_kinds(dense.target, dense.drafter, 1, 2))
     layers = dense.drafter.config.text.num_hidden_layers
-    assert step["Matmul"] == 6 * layers + 3  # q, o, gate/up, down, scores, values; in, out, head
+    # q, o, gate/up, down, scores, values a layer; in, out, head
+    assert step["Matmul"] + step["AddMM"] == 6 * layers + 3
+    assert step["AddMM"] == layers  # the scores take the round's mask as their addend: no select a layer
     assert step["Transpose"] == step["Broadcast"] == step["ExpandDims"] == 0, step
     assert step["Reshape"] == 2 * layers + 1, step  # q's heads, attention's output; the drafted token
 
