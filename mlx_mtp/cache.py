@@ -329,8 +329,9 @@ class KVCache:
     def rollback_to(self, offset: mx.array) -> None:
         """Set each row's length to `offset` (B,) on the device, forgetting later positions.
         The caller guarantees it lies within `max_rollback` of every row's last write."""
-        for track in self.tracks.values():
-            track.pos = _forget(track.pos, offset)
+        tracks = list(self.tracks.values())
+        for track, pos in zip(tracks, _forget([t.pos for t in tracks], offset)):
+            track.pos = pos
         self.offset = offset.astype(mx.int32)
         self.exact = False
 
@@ -483,9 +484,10 @@ def _rows_or_zeros(buf: Optional[mx.array], rows: int, like: mx.array) -> mx.arr
     return buf.astype(like.dtype)
 
 
-@small  # one kernel: slots at or past each row's new length are emptied
-def _forget(pos: mx.array, offset: mx.array) -> mx.array:
-    return mx.where(pos >= offset[:, None], -1, pos)
+@small  # one kernel per track: slots at or past each row's new length are emptied
+def _forget(positions: list, offset: mx.array) -> list:
+    row = offset[:, None]  # one view for every track
+    return [mx.where(pos >= row, -1, pos) for pos in positions]
 
 
 @small  # one kernel for the comparisons, per step and attention type

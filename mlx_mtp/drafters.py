@@ -40,8 +40,12 @@ class MTPProposer:
             if processors is not None:
                 logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,
                                                  position)
+            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them; one to embed
+                drafted.append(out.argmax(keepdims=True))
+                tokens, hidden = drafted[-1].reshape(-1), out.hidden
+                continue
             if plan.greedy:
-                tokens = (out.argmax() if logits is None else mx.argmax(logits, axis=-1)).astype(mx.int32)
+                tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
                 if logits is None:
                     tokens, q = _draw(out.logits, out.token_ids, state.seeds, position, i, self.target.vocab_size, key)
@@ -53,7 +57,10 @@ class MTPProposer:
                 tokens = processors.forced_at(i, tokens)
             drafted.append(tokens)
             hidden = out.hidden
-        return Drafts(mx.stack(drafted, axis=1), mx.stack(qs, axis=1) if qs else None)
+        if drafted[0].ndim == 2:  # the greedy columns
+            return Drafts(mx.concatenate(drafted, axis=1).astype(mx.int32))
+        tokens = mx.stack(drafted, axis=1)
+        return Drafts(tokens, mx.stack(qs, axis=1) if qs else None)
 
 
 @Bounded

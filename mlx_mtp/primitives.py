@@ -49,7 +49,8 @@ def node_kinds(*arrays: Optional[mx.array]) -> collections.Counter:
 
 def split(kinds: collections.Counter) -> tuple[int, int, int]:
     """(matmuls, views, the rest) of a count: views move no data."""
-    matmuls = sum(n for name, n in kinds.items() if name in ("Matmul", "QuantizedMatmul", "GatherQMM", "GatherMM"))
+    products = ("Matmul", "AddMM", "QuantizedMatmul", "GatherQMM", "GatherMM")
+    matmuls = sum(n for name, n in kinds.items() if name in products)
     views = sum(n for name, n in kinds.items() if name in VIEWS)
     return matmuls, views, sum(kinds.values()) - matmuls - views
 

@@ -160,7 +160,18 @@ def _limit(accept: mx.array, limit: Optional[mx.array]) -> mx.array:
     """Drafts at index >= limit[b] do not count for row b (a row drafting fewer than K)."""
     if limit is None:
         return accept
-    return accept & (mx.arange(accept.shape[-1])[None] < limit[:, None])
+    return accept & (indices(accept.shape[-1]) < limit[:, None])
+
+
+_INDICES: dict = {}
+
+
+def indices(n: int) -> mx.array:
+    """(1, n) int32 0..n-1, evaluated: a constant in a compiled function (`mx.arange` there is a
+    graph node, and its row view another), usable from any thread."""
+    if n not in _INDICES:
+        _INDICES[n] = mx.array(np.arange(n, dtype=np.int32)[None])
+    return _INDICES[n]
 
 
 def greedy_accept(drafts: mx.array, target_argmax: mx.array, limit: Optional[mx.array] = None):

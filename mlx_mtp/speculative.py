@@ -24,7 +24,7 @@ import numpy as np
 from .cache import KVCache
 from .jit import Bounded, small
 from .models.base import TargetModel, TargetOutput
-from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, greedy_accept, params_key,
+from .sample import (ACCEPT, RESAMPLE, SamplingParams, batch_probs, greedy_accept, indices, params_key,
                      rejection_accept, uniform)
 
 K_MAX = 6  # the longest draft; one verify forward covers K_MAX + 1 tokens per row
@@ -156,8 +156,8 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
     B, k = drafts.tokens.shape
     j = mx.arange(k + 1, dtype=mx.int32)[None]
     if k:
-        cache.rollback_to(base + n + 1)  # keeps the row's last token and its n accepted drafts
-        emitted, hidden = _emitted(drafts.tokens, n, nxt, out.hidden)
+        emitted, hidden, kept = _emitted(drafts.tokens, n, nxt, out.hidden, base)
+        cache.rollback_to(kept)  # keeps the row's last token and its n accepted drafts
     else:  # a plain step: nothing to roll back or pick
         emitted, hidden = nxt[:, None], out.hidden[:, 0]
     history = state.history
@@ -167,13 +167,14 @@ def advance(cache: KVCache, out: TargetOutput, drafts: Drafts, n: mx.array, nxt:
 
 
 @small  # one kernel for the bookkeeping, not a node per small op
-def _emitted(drafts: mx.array, n: mx.array, nxt: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
-    """(B, K+1) the accepted drafts, the next token, then -1; and the hidden state that predicted it."""
+def _emitted(drafts: mx.array, n: mx.array, nxt: mx.array, hidden: mx.array, base: mx.array) -> tuple:
+    """(B, K+1) the accepted drafts, the next token, then -1; the hidden state that predicted it; and
+    the (B,) int32 length the cache keeps (through the last accepted draft, from `base`)."""
     B, k = drafts.shape
-    j = mx.arange(k + 1, dtype=mx.int32)[None]
+    j, m = indices(k + 1), n[:, None]  # (one view of n, read twice)
     padded = mx.concatenate([drafts, mx.zeros((B, 1), dtype=mx.int32)], axis=1)
-    emitted = mx.where(j < n[:, None], padded, mx.where(j == n[:, None], nxt[:, None], -1))
-    return emitted, mx.take_along_axis(hidden, n[:, None, None], axis=1)[:, 0]
+    emitted = mx.where(j < m, padded, mx.where(j == m, nxt[:, None], -1))
+    return emitted, mx.take_along_axis(hidden, m[..., None], axis=1)[:, 0], (base + n + 1).astype(mx.int32)
 
 
 def here(decide: Callable[[], tuple], shapes: Sequence[tuple]) -> tuple:

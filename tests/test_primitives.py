@@ -38,6 +38,21 @@ def test_counts_are_the_same_every_time_and_the_fused_path_has_fewer(dense):
     assert all(c[1] > c[0] for c in counts.values())  # a round drafts and verifies: more than a step
 
 
+def test_a_drafter_step_after_the_first_repeats_nothing_made_once_per_round(dense):
+    """On the CPU, the K/V's transposes, the masks (as the scores' addend) and RoPE tables are made once per
+    round: a third draft adds one drafter step's products, norms and per-layer ops, no transpose, broadcast or
+    new axis."""
+    with primitives.path("cpu"):
+        step = primitives.round_kinds(dense.target, dense.drafter, 1, 3)
+        step.subtract(primitives.round_kinds(dense.target, dense.drafter, 1, 2))
+    layers = dense.drafter.config.text.num_hidden_layers
+    # q, o, gate/up, down, scores, values a layer; in, out, head
+    assert step["Matmul"] + step["AddMM"] == 6 * layers + 3
+    assert step["AddMM"] == layers  # the scores take the round's mask as their addend: no select a layer
+    assert step["Transpose"] == step["Broadcast"] == step["ExpandDims"] == 0, step
+    assert step["Reshape"] == 2 * layers + 1, step  # q's heads, attention's output; the drafted token
+
+
 def test_a_counted_graph_leaves_the_real_forward_alone(dense):
     """Counting traces its stand-ins apart: the model's own outputs afterwards are the same."""
     ids = mx.array([[5, 9, 11, 2]])

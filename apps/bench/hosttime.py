@@ -196,7 +196,7 @@ def run_hosttime(args, log=print) -> dict:
             read_ms=1e3 * median([p["read"] for p, _ in reps]) if reps[0][0]["read"] is not None else None,
             tokens_per_round=per_token, nodes_per_round=nodes,
             nodes_per_token=nodes / per_token if nodes and per_token else None,
-            matmul_nodes=kinds["Matmul"] if kinds else None,
+            matmul_nodes=kinds["Matmul"] + kinds["AddMM"] if kinds else None,
             view_nodes=sum(n for name, n in kinds.items() if name in VIEWS) if kinds else None,
             node_kinds=dict(kinds.most_common()) if kinds else None,
             matmul_floor_ms=1e3 * matmul_floor(loaded, args.batch, k),

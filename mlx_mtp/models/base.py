@@ -78,12 +78,12 @@ class DraftOutput(NamedTuple):
         out = mx.full((B, vocab_size), -mx.inf, dtype=self.logits.dtype)
         return mx.put_along_axis(out, self.token_ids, self.logits, axis=-1)
 
-    def argmax(self) -> mx.array:
-        """(B,) greedy draft tokens without building full-vocabulary logits."""
-        best = mx.argmax(self.logits, axis=-1)
-        if self.token_ids is None:
-            return best
-        return mx.take_along_axis(self.token_ids, best[:, None], axis=-1)[:, 0]
+    def argmax(self, keepdims: bool = False) -> mx.array:
+        """(B,) greedy draft tokens without building full-vocabulary logits ((B, 1) with `keepdims`)."""
+        best = mx.argmax(self.logits, axis=-1, keepdims=True)
+        if self.token_ids is not None:
+            best = mx.take_along_axis(self.token_ids, best, axis=-1)
+        return best if keepdims else best[:, 0]
 
 
 class TargetModel(Protocol):

@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from ..cache import FULL, SLIDING, KVCache, Ragged, Step
+from ..jit import small
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
 from .layout import JOINS, join, joined_name, keeping_parts, parts, unjoin  # noqa: F401 (the module's layout API)
@@ -211,6 +212,8 @@ class Attention(nn.Module):
         needs no transpose."""
         nq, nk, nv = self.heads
         y = self.qkv_proj(x)
+        if not own_kv and L == 1 and not fused_kernels():  # q's heads grouped by K/V head (`attention`)
+            return [self.q_norm(y.reshape(B, self.n_kv, nq // self.n_kv, self.head_dim))], None
         heads = (y.reshape(B, nq + nk + nv, 1, self.head_dim) if L == 1
                  else y.reshape(B, L, nq + nk + nv, self.head_dim).transpose(0, 2, 1, 3))
         if not own_kv:
@@ -239,7 +242,12 @@ class Attention(nn.Module):
         token per row and `flat` (B, heads * head_dim), and the kv."""
         if shared_kv is None:
             shared_kv = step.store(self.index, k, v)
-        return attention(q, *shared_kv, step.masks[self.layer_type], step.scratch, flat), shared_kv
+            keys_t = None
+        else:  # K/V shared by every layer of the type: their K may be transposed once (the drafter's `step`)
+            keys_t = step.scratch.get(("keys_t", self.layer_type))
+        bias = step.scratch.get(("bias", self.layer_type)) if keys_t is not None else None
+        mask = step.masks[self.layer_type]
+        return attention(q, *shared_kv, mask, step.scratch, flat, keys_t, bias), shared_kv
 
     def _ragged(self, x: mx.array, norm: RMSNorm, ragged: Ragged, shared: Optional[list]) -> tuple:
         """Projections over every row's tokens at once; attention row by row (its own cache's slots,
@@ -275,13 +283,16 @@ def _head_weights(heads: tuple, q_weight: mx.array, k_weight: mx.array) -> mx.ar
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
-              scratch: Optional[dict] = None, flat: bool = False) -> mx.array:
+              scratch: Optional[dict] = None, flat: bool = False, keys_t: Optional[mx.array] = None,
+              bias: Optional[mx.array] = None) -> mx.array:
     """Softmax attention (scale 1) of q (B, n, L, D) over K/V (B, n_kv, T, D), mask (B, 1, L, T):
     (B, n, L, D), or (B, n * D) with `flat` (one query per row: the same order, one reshape).
     GPUs run `mx.fast`'s kernel (or, on NVIDIA GPUs, decode and verify steps mlx_mtp's: `kernels`);
     elsewhere (where that kernel is split into many ops) the heads sharing a K/V head attend as one
     matrix, with no broadcast copies of the K/V; the mask repeated for a group's heads is made once
-    per forward where `scratch` (the step's) is given."""
+    per forward where `scratch` (the step's) is given. `keys_t`: the keys' transpose, where made already.
+    One query per row may come grouped, (B, n_kv, heads per K/V head, D) (`flat` then). `bias`: the mask
+    as the scores' addend (0 or the dtype's lowest), of their shape (`mask_bias`): no select per layer."""
     if fused_kernels():
         out = kernels.attention(q, keys, values, mask, flat=flat)
         if out is not None:
@@ -291,9 +302,13 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
     B, n, L, D = q.shape
     n_kv, T = keys.shape[1], keys.shape[2]
     rows = n // n_kv * L
-    scores = q.reshape(B, n_kv, rows, D) @ keys.swapaxes(-1, -2)  # (B, n_kv, heads per K/V head * L, T)
-    if mask is not None:
-        if rows != L:  # the same mask for every head of a group
+    keys_t = keys.swapaxes(-1, -2) if keys_t is None else keys_t
+    if bias is not None:  # the same scores, the hidden ones at the lowest value as `where` puts them
+        scores = mx.addmm(bias, q.reshape(B, n_kv, rows, D), keys_t)
+    else:
+        scores = q.reshape(B, n_kv, rows, D) @ keys_t  # (B, n_kv, heads per K/V head * L, T)
+    if mask is not None and bias is None:
+        if rows != L and L > 1:  # the same mask for every head of a group (one query: it broadcasts)
             key = ("group mask", id(mask), rows)
             grouped = None if scratch is None else scratch.get(key)
             if grouped is None:
@@ -302,7 +317,16 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.a
                     scratch[key] = grouped
             mask = grouped
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(*((B, n * D) if flat else (B, n, L, D)))
+    return (mx.softmax(scores, axis=-1, precise=True) @ values).reshape(*((B, -1) if flat else (B, n, L, D)))
+
+
+@small  # one kernel
+def mask_bias(mask: mx.array, keys: mx.array, group: int) -> mx.array:
+    """One query's mask (B, 1, 1, T) as the addend of its scores over `keys` (B, n_kv, T, D) with `group`
+    heads per K/V head, (B, n_kv, group, T): 0 where visible, the dtype's lowest where not."""
+    B, n_kv, T, _ = keys.shape
+    low = mx.array(mx.finfo(keys.dtype).min, keys.dtype)
+    return mx.broadcast_to(mx.where(mask, mx.array(0, keys.dtype), low), (B, n_kv, group, T))
 
 
 class MLP(nn.Module):
@@ -428,7 +452,12 @@ def scaled_embed(embedding: nn.Module, ids: mx.array, scale: float) -> mx.array:
     """Embedding times `scale`, rounded to the embedding dtype as transformers does. A free
     function (not a subclass) so that nn.quantize's QuantizedEmbedding keeps the scale."""
     x = embedding(ids)
-    return x * mx.array(scale, dtype=x.dtype)
+    return _scaled(x, mx.array(scale, dtype=x.dtype))
+
+
+@partial(mx.compile, shapeless=True)
+def _scaled(x: mx.array, scale: mx.array) -> mx.array:
+    return x * scale  # compiled: the scalar's broadcast is no node of its own
 
 
 class TextModel(nn.Module):

@@ -119,6 +119,11 @@ class Model(nn.Module):
         if not fused_kernels():
             for layer in self.model.layers:
                 layer.self_attn.rope.table(step)
+            for kind, kv in shared_kv.items():  # every step's layers of a type read these K: one transpose
+                step.scratch[("keys_t", kind)] = kv.keys.swapaxes(-1, -2)
+                if positions.shape[1] == 1:  # one mask, as the scores' addend (one grouped query a row)
+                    group = self.config.text.num_attention_heads // kv.keys.shape[1]
+                    step.scratch[("bias", kind)] = gemma4.mask_bias(masks[kind], kv.keys, group)
         return step
 
     def trunk(self, token_embed: mx.array, hidden: mx.array, shared_kv: dict[str, SharedKV], step: Step) -> mx.array:
