@@ -205,14 +205,15 @@ class Attention(nn.Module):
                                        self.k_norm.weight if own_kv else None, positions, self.rope.pairs,
                                        self.n_heads, self.head_dim, kv, self.eps)
 
-    def _project(self, x: mx.array, B: int, L: int, own_kv: bool) -> tuple:
+    def _project(self, x: mx.array, B: int, L: int, own_kv: bool, grouped: bool = True) -> tuple:
         """Normalised heads in attention's layout (B, heads, L, head_dim), not rotated: the ones to
         rotate (q's and k's side by side on the CPU: one rotation; apart where mx.fast's rope runs)
         and v (None where the K/V are shared). One product over the joined weight; one token per row
-        needs no transpose."""
+        needs no transpose. `grouped`: a shared layer's one query per row may come grouped by K/V
+        head instead (not for a ragged step, which slices the token axis)."""
         nq, nk, nv = self.heads
         y = self.qkv_proj(x)
-        if not own_kv and L == 1 and not fused_kernels():  # q's heads grouped by K/V head (`attention`)
+        if grouped and not own_kv and L == 1 and not fused_kernels():  # q's heads grouped by K/V head (`attention`)
             return [self.q_norm(y.reshape(B, self.n_kv, nq // self.n_kv, self.head_dim))], None
         heads = (y.reshape(B, nq + nk + nv, 1, self.head_dim) if L == 1
                  else y.reshape(B, L, nq + nk + nv, self.head_dim).transpose(0, 2, 1, 3))
@@ -254,7 +255,8 @@ class Attention(nn.Module):
         masks and RoPE offsets, the shapes of its own forward)."""
         positions = mx.concatenate([step.positions for step in ragged.steps], axis=1)  # (computed where used)
         fused = self._fused(x, norm, positions, shared is None)
-        parts, v = self._project(norm(x), 1, x.shape[0], shared is None) if fused is None else (None, None)
+        parts, v = (self._project(norm(x), 1, x.shape[0], shared is None, grouped=False) if fused is None
+                    else (None, None))
         outs, kvs = [], []
         for i, (step, (a, b)) in enumerate(zip(ragged.steps, ragged.bounds)):
             if fused is None:
