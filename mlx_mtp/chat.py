@@ -166,17 +166,10 @@ class Completion:
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:
-        try:
-            for event in handle:
-                if event.kind == "error":
-                    raise event.error
-                if event.kind == "done":
-                    self.last_stats = event.stats
-                    return
-                self.tokens.append(event.token)
-                yield event
-        finally:
-            handle.cancel()  # closed early: stop generating (a no-op once it ended)
+        for event in handle.tokens():
+            self.tokens.append(event.token)
+            yield event
+        self.last_stats = handle.done.stats
 
 
 Session = Union[Conversation, Completion]

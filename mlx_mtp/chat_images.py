@@ -43,25 +43,18 @@ class ImageChat:
         request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking, **options)
         handle = self.engine.submit(request)
         self.messages, self.last_stats = messages, handle.stats
-        prepared = handle._prepared  # its tokens as the prefix cache keys them (an image by its content)
-        self.tokens = [] if prepared is None else (list(prepared.tokens) if prepared.images is None
-                                                   else prepared.images.keyed(prepared.tokens))
+        self.tokens = handle.prompt_keys  # as the prefix cache keys them (an image by its content)
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:
         reply: list[str] = []
         try:
-            for event in handle:
-                if event.kind == "error":
-                    raise event.error
-                if event.kind == "done":
-                    self.last_stats = event.stats
-                    return
+            for event in handle.tokens():
                 self.tokens.append(event.token)
                 reply += [p.text for p in event.parts if p.kind == "content"]
                 yield event
+            self.last_stats = handle.done.stats
         finally:
-            handle.cancel()  # closed early: stop generating (a no-op once it ended)
             self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     def cached_tokens(self) -> int:

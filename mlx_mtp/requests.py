@@ -184,6 +184,10 @@ class Prepared:
     grammar: object = None
     images: object = None  # the prompt's images (`gemma4_vision.PromptImages`), placed in `tokens`
 
+    def keys(self) -> list:
+        """The prompt's tokens as the prefix cache keys them (an image's placeholders by its content)."""
+        return list(self.tokens) if self.images is None else self.images.keyed(self.tokens)
+
 
 class RequestHandle:
     """A submitted request: iterate it (or `events(timeout)`) for its events; `cancel()` it."""
@@ -201,6 +205,7 @@ class RequestHandle:
         self.prompt_tokens = len(prepared.tokens) if prepared else None  # a conversation's: once it starts
         self.cached_tokens: Optional[int] = None  # of those, from the prefix cache (known by its 1st token)
         self.stats = Stats()  # the row's, as it runs (`stats.cached_tokens` is known once its prefill begins)
+        self.done: Optional[DoneEvent] = None  # the last event, once `tokens()` has read it
 
     def cancel(self) -> None:
         """Stop the request at the next round boundary; its stream ends with a "cancelled"
@@ -231,6 +236,25 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[RequestEvent]:
         return self.events()
+
+    def tokens(self) -> Iterator[TokenEvent]:
+        """Yield the token events, then keep the DoneEvent in `done`; raise the request's error.
+        Closed early (a `break`, an interrupt), it cancels the request."""
+        try:
+            for event in self.events():
+                if event.kind == "error":
+                    raise event.error
+                if event.kind == "done":
+                    self.done = event
+                    return
+                yield event
+        finally:
+            self.cancel()  # a no-op once it ended
+
+    @property
+    def prompt_keys(self) -> list:
+        """A one-shot request's prompt as the prefix cache keys it ([] for a conversation's turn)."""
+        return [] if self._prepared is None else self._prepared.keys()
 
     def result(self, timeout: Optional[float] = None) -> DoneEvent:
         """Wait for the end (`timeout` between events); raise the request's error if it failed."""
