@@ -5,6 +5,30 @@
 // weight (JOINED: gate rows, then up rows) or two. Needs qmm.cuh and proj.cuh.
 #pragma once
 
+// The epilogue both kernels share: rows first .. first + MT * 8 - 1 (those below `limit`) of the
+// block's 16 columns, gate and up sums reduced over the warps, scaled by the row's 1 / rms (NORM),
+// each rounded to T, then gelu_tanh(gate) * up stored at y[out_row(j) * I + column].
+template <typename T, int MT, int NW, bool NORM, typename OutRow>
+MTP_DEVICE void mtp_glu_store(const float (&acc)[2][MT][4], const float* inv, float* red, int first, int limit,
+                              T* y, int I, int warp, int lane, OutRow out_row) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float tile[2][4];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) tile[p][r] = acc[p][mt][r];
+    mtp_reduce_tile<NW, 2>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[2]) {
+      const int j = first + mt * 8 + col;
+      if (j >= limit) return;
+      const float s = NORM ? inv[mt * 8 + col] : 1.0f;
+      const float gate = ::mtp_to_float(::mtp_from_float<T>(sums[0] * s));
+      const float up = ::mtp_to_float(::mtp_from_float<T>(sums[1] * s));
+      y[(size_t)out_row(j) * I + row] = ::mtp_from_float<T>(mtp_gelu_tanh(gate) * up);
+    });
+  }
+}
+
 // y (M, I) from x (M, K); w, w2: the gate's and the up projection's (w2 is w when JOINED). Rows go
 // MT * 8 at a time (MT <= 4: two parts' sums of more tiles would not fit the registers).
 template <typename T, int BITS, int GROUP, int MT, int NW, int DEPTH, bool NORM, bool JOINED>
@@ -27,22 +51,7 @@ MTP_DEVICE void mtp_mlp_input(const T* x, const T* norm_w, const uint32_t* w, co
     const MtpRows<T> rows[2] = {{w, scales, biases, n0}, {w2, scales2, biases2, (JOINED ? I : 0) + n0}};
     mtp_fused_warp<T, BITS, GROUP, MT, NW, DEPTH, 2, NORM>(acc, ss, rows, norm_w, x_row, K, warp, lane);
     if constexpr (NORM) mtp_row_scales<MT, NW>(inv, red, ss, K, eps, warp, lane);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float tile[2][4];
-#pragma unroll
-      for (int p = 0; p < 2; ++p)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) tile[p][r] = acc[p][mt][r];
-      mtp_reduce_tile<NW, 2>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[2]) {
-        const int m = first + mt * 8 + col;
-        if (m >= M) return;
-        const float s = NORM ? inv[mt * 8 + col] : 1.0f;
-        const float gate = ::mtp_to_float(::mtp_from_float<T>(sums[0] * s));
-        const float up = ::mtp_to_float(::mtp_from_float<T>(sums[1] * s));
-        y[(size_t)m * I + n0 + row] = ::mtp_from_float<T>(mtp_gelu_tanh(gate) * up);
-      });
-    }
+    mtp_glu_store<T, MT, NW, NORM>(acc, inv, red, first, M, y + n0, I, warp, lane, [](int m) { return m; });
   }
 }
 
@@ -76,21 +85,7 @@ MTP_DEVICE void mtp_experts_input(const T* x, const T* norm_w, const int32_t* id
         {w2 + expert * words, scales2 + expert * groups, biases2 + expert * groups, (JOINED ? I : 0) + n0}};
     mtp_fused_warp<T, BITS, GROUP, MT, NW, DEPTH, 2, NORM>(acc, ss, rows, norm_w, x_row, K, warp, lane);
     if constexpr (NORM) mtp_row_scales<MT, NW>(inv, red, ss, K, eps, warp, lane);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float tile[2][4];
-#pragma unroll
-      for (int p = 0; p < 2; ++p)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) tile[p][r] = acc[p][mt][r];
-      mtp_reduce_tile<NW, 2>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[2]) {
-        const int j = first + mt * 8 + col;
-        if (j >= count) return;
-        const float s = NORM ? inv[mt * 8 + col] : 1.0f;
-        const float gate = ::mtp_to_float(::mtp_from_float<T>(sums[0] * s));
-        const float up = ::mtp_to_float(::mtp_from_float<T>(sums[1] * s));
-        y[(size_t)pairs[j] * I + n0 + row] = ::mtp_from_float<T>(mtp_gelu_tanh(gate) * up);
-      });
-    }
+    mtp_glu_store<T, MT, NW, NORM>(acc, inv, red, first, count, y + n0, I, warp, lane,
+                                   [&](int j) { return pairs[j]; });
   }
 }
