@@ -122,7 +122,7 @@ def openai_body(image_url, text="what is it?"):
 
 
 def anthropic_body(data, media="image/png"):
-    return {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": [
+    return {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}},
         {"type": "text", "text": "what is it?"}]}]}
 
