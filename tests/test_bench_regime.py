@@ -29,10 +29,10 @@ def run_python(code: str, tmp_path, env=None) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_stock_regime_stepcost_runs_and_is_labelled(tmp_path):
-    out = tmp_path / "stepcost"
-    rc = main(["stepcost", "--pair", "tiny", "--regime", "stock", "--batch", "1,2", "--max-tokens", "2",
-               "--k", "1", "--repeats", "1", "--context", "8", "--out", str(out)])
+def test_stock_regime_runs_and_is_labelled(tmp_path):
+    out = tmp_path / "speed"
+    rc = main(["speed", "--pair", "tiny-dense", "--regime", "stock", "--batch", "1", "--k", "1",
+               "--tokens", "4", "--repeats", "1", "--classes", "fixture", "--no-mlx-lm", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     res = data["results"][0]
@@ -40,10 +40,10 @@ def test_stock_regime_stepcost_runs_and_is_labelled(tmp_path):
     provider = res["regime"]["sgemm_provider"]
     if platform.system() == "Linux":  # the wheel's own BLAS, read from libmlx.so's GOT
         assert provider and "blas" in Path(provider).name and "mkl" not in provider
-    assert set(res["round_in_plain_steps"]) == {"1@1", "1@2"}
-    assert all(v > 0 for v in res["round_in_plain_steps"].values())
+    assert {r["mode"] for r in res["rows"]} == {"ours-plain", "ours-mtp-1"}
+    assert all(r["decode_tps"] > 0 for r in res["rows"])
     md = (out / "results.md").read_text()
-    assert "regime stock" in md and "python -m apps.bench stepcost --pair tiny" in md
+    assert "regime stock" in md and "python -m apps.bench speed --pair tiny-dense" in md
 
 
 def test_a_second_regime_in_one_process_is_refused():

@@ -1,6 +1,6 @@
-"""Command line: `python -m apps.bench {speed,oracle,experts,cost,stepcost,engine,ttft,lookup,hosttime,pipeline,agent,
-structured,mixed,realsize,gpu,kernels,learn,prefill,primitives} [options]`
-(speed by default).
+"""Command line: `python -m apps.bench MODE [options]` (speed by default); the modes and their
+figures are in apps/README.md. Modes that measured one issue's question and are history now (oracle,
+cost, stepcost, experts, hosttime, mixed) were removed in issue 45: their code is at commit d1a4d89.
 
 Every mode takes `--regime {stock,mkl}` (see regime.py); it is set up before mlx is
 imported, so this module imports nothing that imports mlx until then.
@@ -23,11 +23,9 @@ class NeedsGPU(RuntimeError):
 
 # subcommand -> (module of apps.bench, function(args, log) -> result dict)
 MODES = {
-    "speed": ("speed", "run_speed"), "oracle": ("oracle", "run_oracle"), "experts": ("experts", "run_experts"),
-    "cost": ("cost", "run_cost"), "stepcost": ("stepcost", "run_stepcost"), "engine": ("engine", "run_engine"),
-    "ttft": ("ttft", "run_ttft"), "lookup": ("lookup", "run_lookup"), "hosttime": ("hosttime", "run_hosttime"),
-    "pipeline": ("pipeline", "run_pipeline_bench"), "agent": ("agent", "run_agent"),
-    "mixed": ("mixed", "run_mixed"),
+    "speed": ("speed", "run_speed"), "engine": ("engine", "run_engine"), "ttft": ("ttft", "run_ttft"),
+    "lookup": ("lookup", "run_lookup"), "pipeline": ("pipeline", "run_pipeline_bench"),
+    "agent": ("agent", "run_agent"),
     "structured": ("structured", "run_structured"),
     "realsize": ("realsize", "run_realsize"),
     "gpu": ("gpu", "run_gpu"),
@@ -38,9 +36,19 @@ MODES = {
 }
 
 
+class _OneLineModes(argparse.HelpFormatter):
+    """--help lists each mode on one line: argparse measures the modes' names without the 2 columns
+    it indents them by, and would wrap the longest names' help."""
+
+    def __init__(self, prog):
+        super().__init__(prog)
+        self._action_max_length = 2 + 2 + max(map(len, MODES))
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m apps.bench", description=__doc__)
-    sub = ap.add_subparsers(dest="command")
+    ap = argparse.ArgumentParser(prog="python -m apps.bench", description=__doc__,
+                                 formatter_class=_OneLineModes)
+    sub = ap.add_subparsers(dest="command", title="modes (python -m apps.bench MODE --help)", metavar="MODE")
 
     def common(p, out):
         p.add_argument("--out", type=Path, default=Path("bench_out") / out, help="results.{md,json}, plot.png")
@@ -48,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--regime", choices=regime.REGIMES, default="stock",
                        help="BLAS for fp32 matmuls: stock (as installed) or mkl")
 
-    s = sub.add_parser("speed", help="ours plain/MTP vs mlx-lm, B and K sweeps, prompt classes")
+    s = sub.add_parser("speed", help="ours plain and MTP vs mlx-lm: B, K, prompt classes")
     common(s, "speed")
     s.add_argument("--model", help="target dir (default: mlx_mtp/demo/target if present, else the tiny dense pair)")
     s.add_argument("--drafter", help="drafter dir (with --model)")
@@ -65,71 +73,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mlxlm-draft", help="mlx-lm speculative draft model: DIR, 'self' (the target; default for "
                                          "tokenizer-less tiny pairs) or 'none'")
 
-    o = sub.add_parser("oracle", help="controlled-acceptance (oracle) drafter paying a real drafter's cost: MTP/plain "
-                                      "and round cost for K sweeps at B rows; the random drafter with auto")
-    common(o, "oracle")
-    o.add_argument("--pair", default="mid", help="mid (default; ~313M-param target built in-process) | demo | "
-                                                 "tiny-dense | tiny-moe | tiny-e2b (comma list)")
-    o.add_argument("--batch", help="rows (default 1,4,8; 1 in the stock regime, where B=4,8 of the mid pair take "
-                                   "~20 min)")
-    o.add_argument("--k", default="1,2,3,4,5,6,auto", help="draft lengths (ints and/or auto)")
-    o.add_argument("--p", default="0.8", help="oracle probabilities that a draft is right (comma list)")
-    o.add_argument("--tokens", type=int, default=32, help="new tokens per row")
-    o.add_argument("--context", type=int, default=64, help="prompt tokens per row")
-    o.add_argument("--seed", type=int, default=0, help="weights of the mid pair; oracle seed of repeat r is seed + r")
-    o.add_argument("--no-random", action="store_true", help="skip the random-drafter auto check")
-    o.add_argument("--quick", action="store_true", help="B=1, K=2,auto, 12 tokens, 1 repeat")
-    o.set_defaults(repeats=3)
-
-    e = sub.add_parser("experts", help="MoE expert union per verify forward; sorted-indices path")
-    common(e, "experts")
-    e.add_argument("--model", help="MoE target dir (default: the tiny MoE pair)")
-    e.add_argument("--drafter")
-    e.add_argument("--batch", default="1,2,4,8")
-    e.add_argument("--k", default="1,2,4,6")
-    e.add_argument("--tokens", type=int, default=32)
-    e.add_argument("--shape", help="also time the sorted-indices path on one real-shape MoE layer "
-                                   "(random weights), e.g. 26b-a4b")
-    e.add_argument("--bits", type=int, default=4, help="with --shape: 0 = unquantized fp32")
-    e.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tokens per forward for the sorted-path timing")
-
-    c = sub.add_parser("cost", help="released shapes, random weights: step costs and a PROJECTED speed-up")
-    common(c, "cost")
-    c.add_argument("--shape", default="e2b", help="comma list of e2b, e4b, 26b-a4b, 31b, or tiny (a toy config)")
-    c.add_argument("--bits", type=int, default=4, help="4 or 8 (affine, group 64); 0 = unquantized fp32")
-    c.add_argument("--layers", type=int, default=2, help="instances of each layer kind to time (chained)")
-    c.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tokens per target forward T = B*(K+1)")
-    c.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
-    c.add_argument("--batch", default="1,2,4,8")
-    c.add_argument("--k", default="1,2,3,4,5,6")
-    c.add_argument("--acceptance", help="per-position acceptance for the projection, e.g. 0.84,0.6,0.39,0.27, "
-                                        "or a speed results.json (its pair's measured rates)")
-    c.add_argument("--skip-head", action="store_true", help="do not time the 262144-row LM head")
-    c.set_defaults(repeats=2)
-
-    t = sub.add_parser("stepcost", help="target forward cost vs tokens per row, drafter step, MTP round cost in "
-                                        "plain steps")
-    common(t, "stepcost")
-    t.add_argument("--pair", default="demo", help="demo | tiny | mid (~313M-param Gemma-4-shaped target with random "
-                                                  "weights and a ~4%% drafter, built in-process)")
-    t.add_argument("--batch", default="1,4,8")
-    t.add_argument("--max-tokens", type=int, default=8, help="time target forwards of T = 1..N tokens per row")
-    t.add_argument("--k", default="1,2,3,4,5,6", help="draft lengths for the round cost")
-    t.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
-    t.add_argument("--seed", type=int, default=0, help="weights of the mid pair")
-    t.add_argument("--dtype", default="float32", choices=("stored", "float32", "bfloat16"),
-                   help="compute dtype (the demo pair is stored in bf16, as the Engine loads it)")
-    t.set_defaults(repeats=7)
-
-    p = sub.add_parser("pipeline", help="1 process vs 2 local ranks (pipeline parallelism): tok/s, traffic per round")
+    p = sub.add_parser("pipeline", help="one process vs two pipeline ranks: tok/s, traffic")
     common(p, "pipeline")
     p.add_argument("--pair", default="tiny-dense", help="tiny-dense | tiny-moe (E2B-style pairs cannot be split)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--k", type=int, default=3, help="draft length of the MTP mode")
 
-    g = sub.add_parser("engine", help="the Engine under N concurrent requests: aggregate/per-request tok/s, TTFT, "
-                                      "MTP on/off, max_batch=1 and one request through generate_tokens (issue 10)")
+    g = sub.add_parser("engine", help="the Engine under N concurrent requests, MTP on/off")
     common(g, "engine")
     g.add_argument("--pair", default="demo,tiny-moe", help="comma list of demo, tiny-dense, tiny-moe, tiny-e2b "
                                                            "(loaded as stored: the demo pair in bf16)")
@@ -141,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compute dtype (stored: as the Engine loads it; float32 lets --regime serve the matmuls)")
     g.add_argument("--quick", action="store_true", help="N=1,8, 24 tokens, 1 repeat")
 
-    f = sub.add_parser("ttft", help="time to first token vs mlx-vlm on the same checkpoint and prompts")
+    f = sub.add_parser("ttft", help="time to first token, ours vs mlx-vlm")
     common(f, "ttft")
     f.add_argument("--models", default="demo,e2b", help="demo (as stored, bf16) and/or e2b (an E2B-shaped random "
                                                         "checkpoint: 35 layers, 20 KV-shared, width scaled down)")
@@ -150,8 +101,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--quick", action="store_true", help="demo only, lengths 64,200, 2 repeats")
     f.set_defaults(repeats=5)
 
-    u = sub.add_parser("lookup", help="prompt lookup: rewrite-a-file prompts from held-out stdlib files; tokens "
-                                      "per target forward with n-gram, MTP and hybrid drafting")
+    u = sub.add_parser("lookup", help="prompt lookup: n-gram, MTP and hybrid drafting")
     common(u, "lookup")
     u.add_argument("--files", type=int, default=6, help="held-out stdlib files (one prompt each)")
     u.add_argument("--lines", type=int, default=40, help="lines of each file in the prompt")
@@ -161,19 +111,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--quick", action="store_true", help="2 files, 48 tokens, K=6")
     u.set_defaults(repeats=1)
 
-    h = sub.add_parser("hosttime", help="exposed host time per round of the pipelined driver vs the same rounds' "
-                                        "device-only time; graph nodes per token")
-    common(h, "hosttime")
-    h.add_argument("--pair", default="demo", help="demo | tiny-dense | tiny-moe | tiny-e2b")
-    h.add_argument("--k", default="3,0", help="fixed draft lengths (0: plain decoding)")
-    h.add_argument("--rounds", type=int, default=40, help="rounds timed per repeat")
-    h.add_argument("--batch", type=int, default=1)
-    h.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
-    h.add_argument("--quick", action="store_true", help="12 rounds, 1 repeat")
-    h.set_defaults(repeats=5)
-
-    a = sub.add_parser("agent", help="agent sessions through the HTTP server: prefill and TTFT per call with the "
-                                     "prefix cache on and off (issue 17)")
+    a = sub.add_parser("agent", help="agent sessions via the server, prefix cache on/off")
     common(a, "agent")
     a.add_argument("--pair", default="demo", help="demo | mid (the mid pair with the demo tokenizer and --context "
                                                   "positions: long contexts)")
@@ -189,19 +127,7 @@ def parser() -> argparse.ArgumentParser:
                                                       "--prompt-cache-dir, then a new server on that directory)")
     a.set_defaults(repeats=1)
 
-    x = sub.add_parser("mixed", help="one batch of prose and code rows: plain, fixed K, the drafter-wide auto policy "
-                                     "and per-row auto (issue 20)")
-    common(x, "mixed")
-    x.add_argument("--pair", default="demo", help="demo (a pair with a tokenizer: prose and code prompts)")
-    x.add_argument("--prose", type=int, default=2, help="prose rows")
-    x.add_argument("--code", type=int, default=2, help="code rows")
-    x.add_argument("--k", default="3", help="fixed draft lengths to compare (comma list)")
-    x.add_argument("--tokens", type=int, default=64, help="tokens per code row")
-    x.add_argument("--prose-tokens", type=int, help="tokens per prose row (default: twice --tokens)")
-    x.add_argument("--dtype", default="stored", choices=("stored", "float32", "bfloat16"))
-
-    j = sub.add_parser("structured", help="JSON-schema requests: validity, MTP on/off tok/s, forced tokens per "
-                                          "forward, grammar host time per round (issue 19)")
+    j = sub.add_parser("structured", help="JSON-schema requests: validity, MTP on/off, grammar")
     common(j, "structured")
     j.add_argument("--pair", default="demo", help="demo | tiny-dense | tiny-moe")
     j.add_argument("--requests", type=int, default=200, help="requests whose replies are validated")
@@ -212,8 +138,7 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--dtype", default="float32", choices=("stored", "float32"))
     j.set_defaults(repeats=3)
 
-    r = sub.add_parser("realsize", help="a released shape with random weights through the product: load, memory, "
-                                        "prefill, decode at B rows, MTP (oracle) vs plain, long-context K/V")
+    r = sub.add_parser("realsize", help="a released shape at real size: memory, speed, MTP")
     common(r, "realsize")
     r.add_argument("--shape", default="26b-a4b", help="26b-a4b | 31b | e4b | e2b | tiny (the tiny MoE fixture shape)")
     r.add_argument("--bits", type=int, default=4, choices=(4, 8), help="affine, group 64 (MoE router and dense MLP "
@@ -235,9 +160,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--streams", type=int, help="CPU streams that quantized work is spread over (default: one per core)")
     r.set_defaults(repeats=3)
 
-    u = sub.add_parser("gpu", help="the GPU suite (issue 27): 31B, 26B-A4B and E4B at 4 bits built in memory, "
-                                   "prefill, decode vs roofline, MTP (oracle) vs plain, mlx-lm and mlx-vlm beside "
-                                   "ours; the demo pair")
+    u = sub.add_parser("gpu", help="GPU suite: 31B, 26B-A4B, E4B vs roofline and peers")
     common(u, "gpu")
     u.add_argument("--smoke", action="store_true", help="the same code at the tiny fixture shapes (any device)")
     u.add_argument("--shapes", help="comma list (default 31b,26b-a4b,e4b; with --smoke tiny-dense,tiny-moe,tiny-e2b)")
@@ -258,16 +181,14 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--results-dir", default=str(Path(__file__).resolve().parents[1] / "results" / "gpu"),
                    help="where a GPU run's JSON goes (<card>-<date>.json)")
 
-    n = sub.add_parser("kernels", help="mlx_mtp's CUDA kernels against MLX's at the released shapes: time, "
-                                       "bandwidth, error, row-invariance (issue 34)")
+    n = sub.add_parser("kernels", help="mlx_mtp's CUDA kernels vs MLX's at released shapes")
     common(n, "kernels")
     n.add_argument("--shapes", default="31b,26b-a4b", help="comma list of 31b, 26b-a4b, e4b")
     n.add_argument("--quick", action="store_true", help="fewer row counts")
     n.add_argument("--smoke", action="store_true", help="tiny shapes (wherever the kernels run)")
     n.set_defaults(repeats=5)
 
-    L = sub.add_parser("learn", help="the demo drafter adapted to served traffic of a kind it never saw: "
-                                     "acceptance before and after, wall clock (issue 37)")
+    L = sub.add_parser("learn", help="the demo drafter adapted to new traffic: acceptance")
     common(L, "learn")
     L.add_argument("--traffic", choices=("c", "tool-calls"), default="c",
                    help="what is served: excerpts of this Python's C headers (C, new to the demo pair) or JSON "
@@ -296,8 +217,7 @@ def parser() -> argparse.ArgumentParser:
     L.add_argument("--real-batch", type=int, default=1)
     L.add_argument("--real-seq", type=int, default=512)
 
-    f = sub.add_parser("prefill", help="requests arriving together: their prompts prefilled one at a time vs "
-                                       "several to a forward; TTFT p50/p95 and total (issue 31)")
+    f = sub.add_parser("prefill", help="requests arriving together: batched prefill, TTFT")
     common(f, "prefill")
     f.add_argument("--pair", default="demo", help="a pair with a tokenizer (demo)")
     f.add_argument("--arrivals", type=int, default=8, help="requests inserted at once")
@@ -310,8 +230,7 @@ def parser() -> argparse.ArgumentParser:
                         "row at a time)")
     f.set_defaults(repeats=3)
 
-    c = sub.add_parser("primitives", help="graph nodes per layer and per step of a plain step and a K-draft round, "
-                                          "per path (cpu, metal, cuda), counted without evaluating (issue 42)")
+    c = sub.add_parser("primitives", help="graph nodes per layer and step per path, counted")
     common(c, "primitives")
     c.add_argument("--shapes", default="demo,31b,26b-a4b,e4b", help="demo and released shapes (comma list)")
     c.add_argument("--paths", default="cpu,metal,cuda", help="cpu | metal | cuda (comma list)")

@@ -1,5 +1,5 @@
-"""Benchmark pairs (target + MTP drafter): the tiny dense fixture, the bundled demo pair, and
-`mid`, built in-process with random weights.
+"""The `mid` benchmark pair (target + MTP drafter), built in-process with random weights (`agent
+--pair mid`, tests/long_context_pair.py), and `build`, any model from a config with random weights.
 
 `mid` is a Gemma-4-shaped dense target of ~313M parameters at fp32, scaled down from the released
 31B config (five sliding layers per full layer, the full layers with a 2x global head dim, one
@@ -10,17 +10,14 @@ shared K=V global KV head, GQA, logit softcap 30; no per-layer embeddings), and 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_mtp.loading import load_model
 from mlx_mtp.models import model_module
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = ("demo", "tiny", "mid")
 
 _ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -57,34 +54,5 @@ def build(config: dict, seed: int, dtype=mx.float32):
     return model
 
 
-def mid_pair(seed: int = 0):
-    target = build(MID_TARGET, seed)
-    drafter = build(MID_DRAFTER, seed + 1)
-    drafter.check_target(target)
-    return target, drafter
-
-
 def n_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
-
-
-def load_pair(name: str, seed: int = 0, dtype=mx.float32) -> tuple:
-    """(target, drafter, description), in fp32 unless `dtype` says otherwise (None: as stored)."""
-    started = time.perf_counter()
-    if name == "mid":
-        target, drafter = mid_pair(seed)
-        if dtype is not None and dtype != mx.float32:
-            target.set_dtype(dtype)
-            drafter.set_dtype(dtype)
-        source = f"built in-process, random weights (seed {seed})"
-    elif name in ("demo", "tiny"):
-        base = ROOT / "mlx_mtp" / "demo" if name == "demo" else ROOT / "tests" / "fixtures" / "tiny" / "dense"
-        target = load_model(base / "target", dtype=dtype)[0]
-        drafter = load_model(base / "drafter", dtype=dtype)[0]
-        source = str(base.relative_to(ROOT))
-    else:
-        raise SystemExit(f"unknown pair {name!r} ({', '.join(PAIRS)})")
-    nt, nd = n_params(target), n_params(drafter)
-    kind = str(target.model.embed_tokens.weight.dtype).replace("mlx.core.", "")
-    return target, drafter, (f"{name} pair ({source}; {kind}; target {nt / 1e6:.1f}M params, drafter {nd / 1e6:.2f}M "
-                             f"= {100 * nd / nt:.1f}%; ready in {time.perf_counter() - started:.1f} s)")

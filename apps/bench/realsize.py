@@ -36,7 +36,6 @@ from mlx_mtp.speculative import MAX_ROLLBACK
 
 from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
 from .env import median, reset_peak_rss, rss_gib, time_fn
-from .experts import uniform_union
 from .oracle import JoinTogether, RowsOracle, decode_run, expected_tokens, first_token
 from .report import fmt, section, table
 
@@ -140,6 +139,11 @@ def measure_prefill(target, lengths: list, rng, log) -> dict:
         out[n] = figure(seconds=seconds, tok_s=n / seconds)
         log(f"prefill {n} tokens: {seconds:.1f} s ({n / seconds:.2f} tok/s, {_at(out[n])})")
     return out
+
+
+def uniform_union(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts if every token picked top_k of `experts` uniformly at random."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
 def expert_unions(record: list, layers: int, tokens: int) -> list:

@@ -93,14 +93,6 @@ def speed_table(rows: list) -> str:
     return table(header, cells)
 
 
-# mode -> (module of apps.bench, markdown function); speed's lives here
-RENDER = {"experts": "experts", "cost": "cost", "stepcost": "stepcost", "oracle": "oracle", "engine": "engine",
-          "ttft": "ttft", "lookup": "lookup", "hosttime": "hosttime", "pipeline": "pipeline", "agent": "agent",
-          "mixed": "mixed", "structured": "structured", "realsize": "realsize", "gpu": "gpu",
-          "prefill": "prefill", "kernels": "kernels", "learn": "learn",
-          "primitives": "primitives"}
-
-
 def header(res: dict) -> list[str]:
     """The command, the regime and the machine's load around the run."""
     out = []
@@ -121,16 +113,15 @@ def render(results: list[dict], info: dict) -> str:
     for res in results:
         if res["mode"] == "speed":
             render_one = speed_md
-        else:
-            module = importlib.import_module(f"apps.bench.{RENDER[res['mode']]}")
-            render_one = getattr(module, f"{res['mode']}_md")
+        else:  # each mode's module renders it: apps.bench.<mode>.<mode>_md
+            render_one = getattr(importlib.import_module(f"apps.bench.{res['mode']}"), f"{res['mode']}_md")
         body = render_one(res).split("\n")
         parts += body[:2] + header(res) + body[2:]  # after the mode's heading
     return "\n".join(parts)
 
 
 def plot(results: list[dict], path: Path) -> Optional[str]:
-    """speed-up vs batch size and vs draft length; measured (speed) and projected (cost)."""
+    """speed-up vs batch size and vs draft length (speed)."""
     try:
         import matplotlib
 
@@ -142,10 +133,6 @@ def plot(results: list[dict], path: Path) -> Optional[str]:
     for res in results:
         if res["mode"] == "speed":
             panels.append((f"measured: {res['pair']}", res["summary"], res["draft_lengths"], res["batches"]))
-        elif res["mode"] == "cost":
-            for shape in res["shapes"]:
-                panels.append((f"PROJECTION: {shape['shape']} ({shape['bits_label']})", shape["projection"]["speedup"],
-                               shape["projection"]["ks"], shape["projection"]["batches"]))
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels)), squeeze=False)
