@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_mtp.cache import FULL, SLIDING, KVCache, Step
+from mlx_mtp.cache.kv import FULL, SLIDING, KVCache, Step
 from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import SharedKV
 

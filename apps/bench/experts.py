@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
-from mlx_mtp.batch import BatchGenerator
+from mlx_mtp.decode.batch import BatchGenerator
 from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
 

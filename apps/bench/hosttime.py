@@ -31,12 +31,12 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
-from mlx_mtp.primitives import VIEWS, node_kinds
-from mlx_mtp.sample import SamplingParams
-from mlx_mtp.speculative import K_MAX, Plan, run_round
+from mlx_mtp.selftest.primitives import VIEWS, node_kinds
+from mlx_mtp.decode.sample import SamplingParams
+from mlx_mtp.decode.speculative import K_MAX, Plan, run_round
 
 from .env import median
 from .prompts import prompt_sets

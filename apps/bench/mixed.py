@@ -19,10 +19,10 @@ import time
 
 import mlx.core as mx
 
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
-from mlx_mtp.speculative import DraftPolicy
-from mlx_mtp.stats import Stats
+from mlx_mtp.decode.speculative import DraftPolicy
+from mlx_mtp.decode.stats import Stats
 
 from .env import median
 from .oracle import JoinTogether, prefilled

@@ -1,7 +1,7 @@
 """Oracle mode (issue 13 item 2): MTP vs plain decoding at controlled acceptance, paying a real
 drafter's cost, for K = 1..6 and auto at B rows, in the chosen regime.
 
-A row's drafts come from `RowsOracle`: like `mlx_mtp.oracle.OracleDrafter` (lazy, no host read
+A row's drafts come from `RowsOracle`: like `mlx_mtp.decode.oracle.OracleDrafter` (lazy, no host read
 inside a round; whether the draft at a position is right is a hash of (seed, position), so every
 K meets the same luck) but with one truth per row: row r proposes the plain greedy continuation
 of its own prompt. It runs the pair's real drafter too (`inner`), so each round pays the real
@@ -26,20 +26,20 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.drafters import MTPProposer
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.drafters import MTPProposer
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
-from mlx_mtp.prefill import Prefill
-from mlx_mtp.prefix_cache import PrefixCache
-from mlx_mtp.sample import uniform
-from mlx_mtp.speculative import K_MAX, MAX_ROLLBACK, Drafts
+from mlx_mtp.decode.prefill import Prefill
+from mlx_mtp.cache.prefix import PrefixCache
+from mlx_mtp.decode.sample import uniform
+from mlx_mtp.decode.speculative import K_MAX, MAX_ROLLBACK, Drafts
 
 from .env import median
 from .pairs import ROOT, build, load_pair
 from .report import checked, fmt, section, table
 
-_RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.oracle uses
+_RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.decode.oracle uses
 
 
 class RowsOracle:

@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KVCache, SharedKV, Step
-from ..jit import Bounded
+from ..cache.kv import KVCache, SharedKV, Step
+from ..runtime.jit import Bounded
 
 log = logging.getLogger("mlx_mtp")
 
