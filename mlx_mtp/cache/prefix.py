@@ -23,7 +23,7 @@ batch hold their own copy (a batch is one array per layer), so a hit copies its 
 row: a copy, not a prefill. Sizes are counted from the model's config rather than the arrays at
 hand, so the ranks of a pipeline group, each holding some layers, count and evict alike.
 
-Disk: with a `DiskTier` (`prefix_disk.py`) every state kept is also written to a directory, and a
+Disk: with a `DiskTier` (`disk.py`) every state kept is also written to a directory, and a
 request whose deepest match is deeper there than in memory loads it (and keeps it in memory too).
 """
 

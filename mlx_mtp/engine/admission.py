@@ -1,4 +1,4 @@
-"""Memory admission, beside the memory plan (`memory.py`) whose KV budget it enforces: how many
+"""Memory admission, beside the memory plan (`runtime/memory.py`) whose KV budget it enforces: how many
 bytes a row's KV cache takes, and whether one more row fits beside the running ones within the
 engine's memory limit, the prefix cache giving up what nobody pins to make room.
 """

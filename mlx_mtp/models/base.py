@@ -1,6 +1,6 @@
 """The contract between models and the generation loop, plus small shared helpers.
 
-The loop in `generate.py` / `speculative.py` only ever sees `TargetModel` and `Drafter`;
+The loop in `decode/generate.py` / `decode/speculative.py` only ever sees `TargetModel` and `Drafter`;
 nothing outside `models/` names a Gemma class.
 """
 
