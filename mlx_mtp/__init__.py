@@ -6,7 +6,7 @@ from .runtime.mlx_build import require as _require_mlx
 
 _require_mlx()  # before anything imports MLX: an install MLX cannot load is explained in one line
 
-from . import _moved  # the modules' old paths (`mlx_mtp.batch`), with a DeprecationWarning
+from . import _moved  # the modules' paths from before the layer packages, with a DeprecationWarning
 
 _moved.install(_sys.modules[__name__])
 
@@ -24,7 +24,7 @@ from .engine.requests import MemoryLimitError, QueueFull, Request, RequestHandle
 from .loading import Loaded, load
 
 Event = TextEvent  # the name `stream_generate`'s events had before they were `TextEvent`s
-__getattr__ = _moved.old_attribute  # `mlx_mtp.batch` after `import mlx_mtp`, as before the layers
+__getattr__ = _moved.old_attribute  # an old module as an attribute after `import mlx_mtp`, as before
 
 __version__ = "0.1.0"
 __all__ = ["BatchGenerator", "Conversation", "Engine", "QueueFull", "MemoryLimitError", "Request",
