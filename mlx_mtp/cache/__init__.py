@@ -3,5 +3,3 @@ cache that starts a request from the deepest stored state its prompt shares (pre
 with its disk tier (disk.py)."""
 
 from .kv import CacheError, FIXED_LENGTH, FULL, KVCache, Ragged, SLIDING, SharedKV, Step
-
-__all__ = ['CacheError', 'FIXED_LENGTH', 'FULL', 'KVCache', 'Ragged', 'SLIDING', 'SharedKV', 'Step']

@@ -2,6 +2,5 @@
 (worker.py), what callers submit and read back (requests.py), how a request is prepared
 (prepare.py), admitted (admission.py) and streamed (output.py), and the conversations it keeps."""
 
-from .engine import DoneEvent, Engine, ErrorEvent, MemoryLimitError, QueueFull, Request, RequestEvent, RequestHandle, TokenEvent
-
-__all__ = ['DoneEvent', 'Engine', 'ErrorEvent', 'MemoryLimitError', 'QueueFull', 'Request', 'RequestEvent', 'RequestHandle', 'TokenEvent']
+from .engine import (DoneEvent, Engine, ErrorEvent, MemoryLimitError, QueueFull, Request, RequestEvent,
+                     RequestHandle, TokenEvent)

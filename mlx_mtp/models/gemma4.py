@@ -470,7 +470,7 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sources = {cfg.kv_source(i) for i in range(cfg.first_shared_layer, cfg.num_hidden_layers)}
-        self.pipeline = None  # this process's stage (mlx_mtp.distributed.pipeline.Stage); None: all layers here
+        self.pipeline = None  # this process's stage (`distributed.pipeline.Stage`); None: all layers here
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
             self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input, n * P)

@@ -3,5 +3,3 @@ right (checks.py), with tiny random pairs (tiny.py), kernels compiled ahead of u
 (warm.py) and primitives counted in a forward's graph (primitives.py)."""
 
 from .checks import main
-
-__all__ = ['main']
