@@ -5,7 +5,7 @@ environment must hold exactly one, and no extra may add the other: pip adds an e
 the base ones, in an order of its choosing. So the build is chosen here alone, on the machine the
 package is installed on: the CUDA 13 build where an NVIDIA driver is loaded, else the CPU build;
 `MLX_MTP_BACKEND=cpu|cuda` overrides the choice (an image built on a machine without the GPU).
-An environment that already holds the other build is fixed by the line `mlx_mtp.mlx_build.fix_line`
+An environment that already holds the other build is fixed by the line `mlx_mtp.runtime.mlx_build.fix_line`
 gives (both removed, then one installed), which mlx_mtp prints when MLX cannot load.
 """
 

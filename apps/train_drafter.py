@@ -1,5 +1,5 @@
 """Train (or adapt) a Gemma 4 MTP drafter against a frozen target, in MLX: a command over
-`mlx_mtp.distill` (which `python -m mlx_mtp.learn` adapts served drafters with).
+`mlx_mtp.learn.distill` (which `python -m mlx_mtp.learn` adapts served drafters with).
 
     python -m apps.train_drafter --target TARGET_DIR --data DATA [DATA ...] --out DRAFTER_DIR \\
         [--init DRAFTER_DIR | --hidden 128 --layers 4 --heads 4 --intermediate 512] \\
@@ -9,7 +9,7 @@ DATA: `.npy` arrays of token ids, or text files / directories of text files (tok
 with the target directory's tokenizer). `--init` starts from an existing drafter (e.g. the
 released assistant of the Gemma 4 you fine-tuned) to adapt it; without it a fresh drafter
 is built whose attention geometry mirrors the target's store layers. The objective is in
-`mlx_mtp/distill.py`.
+`mlx_mtp/learn/distill.py`.
 
 Speed on a Linux CPU: the mlx[cpu] wheel links a slow reference BLAS; preloading MKL
 (`pip install mkl`, `LD_PRELOAD=$VIRTUAL_ENV/lib/libmkl_rt.so.3`) makes training ~10x faster.
@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_mtp.distill import drafter_config, load_tokens, new_drafter, save_drafter, train
+from mlx_mtp.learn.distill import drafter_config, load_tokens, new_drafter, save_drafter, train
 from mlx_mtp.loading import load_model, load_tokenizer
 
 

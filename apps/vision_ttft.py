@@ -152,7 +152,7 @@ def transformers_ttft(repeats: int, path: Path, size: tuple) -> str:
     except ImportError as e:
         return f"transformers: not run ({e}; torch is no dependency: the reference venv of tests/reference)"
     from mlx_mtp import load
-    from mlx_mtp.chat_format import render
+    from mlx_mtp.formats.chat import render
     from mlx_mtp.models.gemma4_vision import expand_placeholders
 
     loaded = load(path)
@@ -185,7 +185,7 @@ def chat_message(image, with_image: bool = True) -> dict:
 
 
 def encoder_time(name: str, repeats: int, dtype: mx.Dtype, warmup: int = 1) -> str:
-    from mlx_mtp.images import process
+    from mlx_mtp.formats.images import process
     from mlx_mtp.loading import cast_floats
     from mlx_mtp.models.gemma4_vision import Vision, VisionConfig
 

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import save_config
 
-from mlx_mtp import quantize as q
+from mlx_mtp.models import quantize as q
 from mlx_mtp.cli import prog_name
 from mlx_mtp.loading import (
     DRAFTER_TYPE, WeightsError, build_model, cast_floats, load_model, read_config, resolve,

@@ -24,15 +24,16 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
-from . import jit, memory, pipeline
+from .runtime import jit, memory
+from .distributed import pipeline
 from .cli import demo_pair, draft_tokens, error_line, positive_int, prog_name, readable
-from .conversation import Conversation
-from .engine import Engine
-from .group import Group, launched
+from .engine.conversation import Conversation
+from .engine.engine import Engine
+from .distributed.group import Group, launched
 from .loading import Loaded, load
-from .requests import ContextLengthError, Request, TokenEvent
-from .sample import SamplingParams
-from .stats import Stats
+from .engine.requests import ContextLengthError, Request, TokenEvent
+from .decode.sample import SamplingParams
+from .decode.stats import Stats
 
 
 HELP = """commands:

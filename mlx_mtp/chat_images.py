@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from .images import ImageError
-from .requests import Request, TokenEvent
-from .stats import Stats
+from .formats.images import ImageError
+from .engine.requests import Request, TokenEvent
+from .decode.stats import Stats
 
 
 class ImageChat:
@@ -67,7 +67,7 @@ class ImageChat:
 
 def check_image(path: str) -> str:
     """`path` if it is an image file the encoder can read (ImageError saying why not)."""
-    from .images import open_image
+    from .formats.images import open_image
 
     open_image(path)
     return path

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Union
 
-from .speculative import K_MAX
+from .decode.speculative import K_MAX
 
 
 def prog_name(module: str) -> str:

@@ -11,9 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .chat_format import stop_tokens
-from .vision import encoder_for
-from .drafters import HybridDrafter, MTPProposer, NgramDrafter
+from .formats.chat import stop_tokens
+from .formats.vision import encoder_for
+from .decode.drafters import HybridDrafter, MTPProposer, NgramDrafter
 from .models import model_module
 from .models.base import ConfigError
 from .models.quantized import adopt

@@ -47,7 +47,7 @@ def write_pair(dest: Path, context: int, seed: int = 0) -> None:
     (dest / "target").mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(dest / "target")
     eos = [vocab["<eos>"], vocab["<turn|>"], vocab["<|tool_response>"]]
-    configs = json.loads((ROOT / "mlx_mtp" / "tiny_configs.json").read_text())["dense"]
+    configs = json.loads((ROOT / "mlx_mtp" / "selftest" / "tiny_configs.json").read_text())["dense"]
     target, drafter = configs["target"], configs["drafter"]
     target.update(vocab_size=len(vocab), max_position_embeddings=context, eos_token_id=eos, bos_token_id=vocab["<bos>"],
                   pad_token_id=vocab["<pad>"])

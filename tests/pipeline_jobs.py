@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.engine import Engine, Request
-from mlx_mtp.sample import SamplingParams
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.engine.engine import Engine, Request
+from mlx_mtp.decode.sample import SamplingParams
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 HOT = SamplingParams(temperature=1.0, top_p=0.95)

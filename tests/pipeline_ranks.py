@@ -15,8 +15,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_jobs import TINY, one_row, prompts, run_jobs  # noqa: E402
 
-from mlx_mtp import pipeline  # noqa: E402
-from mlx_mtp.group import launched  # noqa: E402
+from mlx_mtp.distributed import pipeline  # noqa: E402
+from mlx_mtp.distributed.group import launched  # noqa: E402
 
 
 def stall(loaded) -> None:

@@ -92,7 +92,7 @@ class ScriptedTarget:
         return self.inner.vocab_size
 
     def make_cache(self, batch_size: int = 1, max_rollback: int = 0):
-        from mlx_mtp.cache import FULL, KVCache
+        from mlx_mtp.cache.kv import FULL, KVCache
 
         c = self.inner.make_cache(batch_size, max_rollback)
         return KVCache([*c.layer_types, FULL], c.window, batch_size, max_rollback)

@@ -4,7 +4,7 @@ import pytest
 from conftest import TINY, reference
 
 import mlx_mtp
-from mlx_mtp.oracle import OracleDrafter
+from mlx_mtp.decode.oracle import OracleDrafter
 
 
 @pytest.fixture(scope="module")

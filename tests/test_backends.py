@@ -8,7 +8,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_mtp import jit, mlx_build, pipeline, selftest
+from mlx_mtp.runtime import jit, mlx_build
+from mlx_mtp.distributed import pipeline
+from mlx_mtp.selftest import checks as selftest
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30

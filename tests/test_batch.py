@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 from conftest import TINY, reference, tiny_drafter, tiny_target
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
-from mlx_mtp.prefix_cache import PrefixCache
-from mlx_mtp.sample import SamplingParams
-from mlx_mtp.oracle import OracleDrafter
-from mlx_mtp.speculative import K_MAX, Acceptance, DraftPolicy, Member
-from mlx_mtp.stats import Stats
+from mlx_mtp.cache.prefix import PrefixCache
+from mlx_mtp.decode.sample import SamplingParams
+from mlx_mtp.decode.oracle import OracleDrafter
+from mlx_mtp.decode.speculative import K_MAX, Acceptance, DraftPolicy, Member
+from mlx_mtp.decode.stats import Stats
 
 HOT = SamplingParams(temperature=1.0, top_p=0.95)
 

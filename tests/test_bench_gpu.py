@@ -133,7 +133,7 @@ def cuda(monkeypatch):
 
 
 def test_the_kernel_cache_option_keeps_mlxs_kernels_in_a_folder_and_counts_them(tmp_path, cuda, monkeypatch):
-    from mlx_mtp import jit
+    from mlx_mtp.runtime import jit
 
     monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
     folder = tmp_path / "ptx"
@@ -153,7 +153,7 @@ def test_the_kernel_cache_option_keeps_mlxs_kernels_in_a_folder_and_counts_them(
 
 
 def test_warming_runs_prefill_decode_and_every_verify_at_each_batch_size(capsys):
-    from mlx_mtp import selftest
+    from mlx_mtp.selftest import checks as selftest
 
     argv = ["--warm", str(TINY / "moe" / "target"), "--drafter", str(TINY / "moe" / "drafter"), "--batches", "1-2"]
     assert selftest.main(argv) == 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import reference, tiny_target
 
-from mlx_mtp.cache import FULL, SLIDING, CacheError, KVCache
+from mlx_mtp.cache.kv import FULL, SLIDING, CacheError, KVCache
 
 W = 8
 
@@ -180,8 +180,8 @@ def test_growing_rings_give_the_same_tokens(monkeypatch):
     the same tokens as with whole rings, plain and with MTP (independently random drafter)."""
     from conftest import tiny_drafter
 
-    from mlx_mtp import cache as cache_module
-    from mlx_mtp.generate import generate_tokens
+    from mlx_mtp.cache import kv as cache_module
+    from mlx_mtp.decode.generate import generate_tokens
     from mlx_mtp.models import gemma4
 
     target, prompt = tiny_target("dense"), reference("dense")["prompt"].tolist()[:5]

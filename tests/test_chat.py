@@ -13,7 +13,7 @@ from chat_helpers import DRAFTER, TINY, make_chat_model
 
 import mlx_mtp
 from mlx_mtp import chat
-from mlx_mtp.conversation import Conversation
+from mlx_mtp.engine.conversation import Conversation
 
 ROOT = Path(mlx_mtp.__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ from chat_helpers import DRAFTER, make_chat_model
 
 import mlx_mtp
 from mlx_mtp import chat
-from mlx_mtp.conversation import Conversation
-from mlx_mtp.stats import Stats
+from mlx_mtp.engine.conversation import Conversation
+from mlx_mtp.decode.stats import Stats
 
 ROOT = Path(mlx_mtp.__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
@@ -278,7 +278,7 @@ def test_a_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
     """--raw completes a function to its end on the demo pair: the completion run to its budget,
     cut before its first line at column 0; greedy MTP (K=3, auto) writes the same text."""
     from mlx_mtp.demo import load_demo
-    from mlx_mtp.engine import Engine
+    from mlx_mtp.engine.engine import Engine
 
     prompt, budget = 'def exists(path):\n    """Test whether a path exists."""\n', 128
     with Engine(load_demo(), max_batch=1) as engine:

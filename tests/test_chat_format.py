@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from chat_helpers import write_gemma4_tokenizer
 
-from mlx_mtp import chat_format
-from mlx_mtp.chat_format import Delta, OutputParser, ToolCall, parse, parse_call, render
+from mlx_mtp.formats import chat as chat_format
+from mlx_mtp.formats.chat import Delta, OutputParser, ToolCall, parse, parse_call, render
 from mlx_mtp.loading import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"

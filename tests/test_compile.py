@@ -14,9 +14,9 @@ import pytest
 from conftest import TINY, reference, tiny_drafter, tiny_target
 
 import mlx_mtp
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
-from mlx_mtp.speculative import MAX_ROLLBACK
+from mlx_mtp.decode.speculative import MAX_ROLLBACK
 
 
 @contextlib.contextmanager
@@ -118,7 +118,7 @@ def test_a_compile_is_announced_only_while_this_process_compiles(tmp_path):
 def test_traces_are_bounded():
     """MLX keeps every trace while a compiled function lives (~2 KB per graph node): past its
     limit of argument signatures a `Bounded` function starts afresh, and stays right."""
-    from mlx_mtp.jit import Bounded
+    from mlx_mtp.runtime.jit import Bounded
 
     calls = []
 

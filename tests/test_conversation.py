@@ -6,7 +6,7 @@ import pytest
 from chat_helpers import DRAFTER, REWRITING_TEMPLATE, make_chat_model
 
 import mlx_mtp
-from mlx_mtp.conversation import Conversation
+from mlx_mtp.engine.conversation import Conversation
 
 HOT = mlx_mtp.SamplingParams(temperature=3.0)
 TURNS = ["hello there", "tell me a story about a cat", "why?", "go on"]

@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY, reference, tiny_drafter, tiny_target
 
 from convert import convert, main
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import WeightsError, load_model
 from mlx_mtp.models.base import ConfigError
 
@@ -51,7 +51,7 @@ def greedy(model, name, n=32):
 def quantized_in_memory(name, **kw):
     import copy
 
-    from mlx_mtp.quantize import quantize
+    from mlx_mtp.models.quantize import quantize
 
     model = copy.deepcopy(tiny_target(ref_variant(name)))
     quantize(model, {}, **kw)
@@ -124,7 +124,7 @@ def test_moe_router_stays_at_8_bits(tmp_path):
 
 @pytest.mark.parametrize("mode", ["mxfp4", "nvfp4", "mxfp8"])
 def test_microscaling_modes(tmp_path, mode):
-    from mlx_mtp.quantize import FIXED_MODES, available_modes
+    from mlx_mtp.models.quantize import FIXED_MODES, available_modes
 
     if mode not in available_modes():
         pytest.skip(f"{mode} not in this MLX")

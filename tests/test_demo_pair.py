@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import mlx_mtp
 from mlx_mtp import demo
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 
 
 # Code in the style of the corpus, not taken from it (so the test does not depend on the

@@ -10,9 +10,9 @@ import pytest
 from chat_helpers import DRAFTER, make_chat_model
 
 import mlx_mtp
-from mlx_mtp.conversation import Conversation
-from mlx_mtp import engine as engine_module
-from mlx_mtp.engine import Engine, MemoryLimitError, QueueFull, Request
+from mlx_mtp.engine.conversation import Conversation
+from mlx_mtp.engine import engine as engine_module
+from mlx_mtp.engine.engine import Engine, MemoryLimitError, QueueFull, Request
 
 WAIT = 60  # seconds any single event may take before a test fails instead of hanging
 SCRIPTS = [["hi", "and then?"], ["what is 2+2", "sure?"], ["tell me a joke", "another"]]

@@ -5,11 +5,12 @@ exactly, streamed and whole, alone and batched, and the chat prints them apart."
 import pytest
 from scripted import STORY, TOOLS, TWO, WEATHER, ask, load_scripted, make_scripted_model
 
-from mlx_mtp import chat, chat_format
-from mlx_mtp.chat_format import Delta, ToolCall
-from mlx_mtp.conversation import Conversation
-from mlx_mtp.engine import Engine, Request
-from mlx_mtp.sample import SamplingParams
+from mlx_mtp import chat
+from mlx_mtp.formats import chat as chat_format
+from mlx_mtp.formats.chat import Delta, ToolCall
+from mlx_mtp.engine.conversation import Conversation
+from mlx_mtp.engine.engine import Engine, Request
+from mlx_mtp.decode.sample import SamplingParams
 
 PARIS = "What is the weather in Paris right now?"
 SEVEN = "Please work out six times seven for me."

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import BOTH_KERNELS, TINY, reference, tiny_target
 
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
 
 TOL = 1e-4  # fp32; references are float64 forwards of the same weights

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_mtp import images
-from mlx_mtp.images import ImageError, process
+from mlx_mtp.formats import images
+from mlx_mtp.formats.images import ImageError, process
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vision" / "processor.npz"
 CASES = {"square": (64, 64, "RGB"), "photo": (97, 73, "RGB"), "wide": (300, 9, "RGB"), "tall": (5, 211, "RGB"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_mtp import mlx_build
+from mlx_mtp.runtime import mlx_build
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.32.4"

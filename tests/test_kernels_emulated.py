@@ -114,11 +114,11 @@ def test_greedy_mtp_equals_plain_through_the_kernels_one_row_and_a_batch(monkeyp
     verifying together."""
     import numpy as np
 
-    from mlx_mtp.batch import BatchGenerator
-    from mlx_mtp.generate import generate_tokens
+    from mlx_mtp.decode.batch import BatchGenerator
+    from mlx_mtp.decode.generate import generate_tokens
     from mlx_mtp.kernels import dispatch
     from mlx_mtp.models.base import force_fused
-    from mlx_mtp.tiny import quantized_pair
+    from mlx_mtp.selftest.tiny import quantized_pair
 
     pair = quantized_pair()
     prompt = np.random.default_rng(3).integers(3, 128, 12).tolist()
@@ -176,7 +176,7 @@ def test_fused_layers_are_closer_to_float32_than_mlxs_ops_and_each_row_is_its_ow
     from mlx_mtp.kernels import dispatch
     from mlx_mtp.models import gemma4
     from mlx_mtp.models.base import force_fused
-    from mlx_mtp.tiny import quantized_pair
+    from mlx_mtp.selftest.tiny import quantized_pair
 
     target, wide = quantized_pair().target, quantized_pair().target
     wide.set_dtype(mx.float32)  # the same quantized weights, activations in float32 (MLX's ops only)

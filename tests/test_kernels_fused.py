@@ -219,7 +219,7 @@ def rows(layer, a, b):
 
 @pytest.mark.parametrize("k_eq_v,layer", [(False, 0), (True, 5)])  # sliding (default RoPE), full (partial RoPE)
 def test_the_attention_input_reference_is_the_models_projection_norms_and_rope(k_eq_v, layer):
-    from mlx_mtp.cache import Step
+    from mlx_mtp.cache.kv import Step
     from mlx_mtp.models.base import force_fused, rms_norm
 
     cfg, attn = attention_layer(k_eq_v, layer)

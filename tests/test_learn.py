@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 from test_speculative_sampling import check_sampling_is_exact
 
 import mlx_mtp
-from mlx_mtp import capture, distill, learn
-from mlx_mtp.engine import Engine, Request
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.learn import capture, distill, learner as learn
+from mlx_mtp.engine.engine import Engine, Request
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.server.app import Settings, create_app, served_model
 
@@ -111,7 +111,7 @@ def test_a_torn_or_corrupt_record_is_skipped_with_one_warning(tmp_path, caplog, 
     bad.write_bytes(bytes(data))
     for seg in (tmp_path / "b").glob("c-*.bin"):
         seg.rename(tmp_path / "a" / seg.name)
-    with caplog.at_level(logging.WARNING, logger="mlx_mtp.capture"):
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp.learn.capture"):
         records = list(capture.read(tmp_path / "a"))
     assert len(records) == (2 if damage == "torn" else 1) + len(whole)
     assert len([r for r in caplog.records if "torn or corrupt" in r.message]) == 1
@@ -139,7 +139,7 @@ def test_the_newest_records_within_a_token_budget_are_read(tmp_path, caplog, mon
     last.write_bytes(last.read_bytes() + b"MTPc torn")  # a crash mid-write: one warning, as `read` gives
     everything = list(capture.read(tmp_path, warn=False))
     for budget in (0, 14, 100, 10_000):
-        with caplog.at_level(logging.WARNING, logger="mlx_mtp.capture"):
+        with caplog.at_level(logging.WARNING, logger="mlx_mtp.learn.capture"):
             caplog.clear()
             got = capture.newest(tmp_path, budget)
         want, total = [], 0
@@ -154,7 +154,7 @@ def test_the_newest_records_within_a_token_budget_are_read(tmp_path, caplog, mon
 
 
 def test_several_processes_append_to_one_directory(tmp_path):
-    code = ("import sys; from mlx_mtp.capture import Capture; c = Capture(sys.argv[1]); "
+    code = ("import sys; from mlx_mtp.learn.capture import Capture; c = Capture(sys.argv[1]); "
             "[c.add([int(sys.argv[2])] * 50, list(range(i))) for i in range(200)]; c.close()")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(w)]) for w in (1, 2, 3)]
     assert [p.wait(WAIT) for p in procs] == [0, 0, 0]

@@ -11,7 +11,7 @@ from conftest import TINY, reference
 
 import mlx_mtp
 from mlx_mtp import loading
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import ModelKindError, WeightsError, cast_floats, load_model
 from mlx_mtp.models.base import ConfigError
 from mlx_mtp.models.gemma4 import Config

@@ -9,9 +9,9 @@ from conftest import TINY, reference
 from starlette.testclient import TestClient
 
 import mlx_mtp
-from mlx_mtp import memory
-from mlx_mtp.engine import Engine, Request
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.runtime import memory
+from mlx_mtp.engine.engine import Engine, Request
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.server.app import Settings, create_app, served_model
 from mlx_mtp.server.metrics import parse
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import reference, tiny_drafter, tiny_target
 
-from mlx_mtp.drafters import HybridDrafter, MTPProposer, NgramDrafter, lookup
-from mlx_mtp.generate import generate_tokens
-from mlx_mtp.stats import Stats
+from mlx_mtp.decode.drafters import HybridDrafter, MTPProposer, NgramDrafter, lookup
+from mlx_mtp.decode.generate import generate_tokens
+from mlx_mtp.decode.stats import Stats
 
 
 def test_lookup_continues_the_latest_longest_match():

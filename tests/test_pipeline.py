@@ -17,8 +17,8 @@ from conftest import TINY, tiny_drafter, tiny_target
 from pipeline_jobs import run_jobs
 
 import mlx_mtp
-from mlx_mtp.group import EXIT_PEER_LOST, loopback_hostfile
-from mlx_mtp.pipeline import PlacementError, nbytes, place, split_layers
+from mlx_mtp.distributed.group import EXIT_PEER_LOST, loopback_hostfile
+from mlx_mtp.distributed.pipeline import PlacementError, nbytes, place, split_layers
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -1,4 +1,4 @@
-"""Prefill (`mlx_mtp/prefill.py`): queued prompts are prefilled several to a forward, side by side
+"""Prefill (`mlx_mtp/decode/prefill.py`): queued prompts are prefilled several to a forward, side by side
 (`Model.ragged`). Each row's K/V, logits and hidden state are bit for bit those of its own
 forwards on the same chunk grid (float32 and 4-bit, the BLAS branch of a quantized product too,
 and under a BLAS whose rounding follows the number of rows), so outputs, seeded samples and the
@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from conftest import VARIANTS, reference, tiny_drafter, tiny_target
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.cache import FULL, SLIDING
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.cache.kv import FULL, SLIDING
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.models.base import force_fused
 from mlx_mtp.models.quantized import dequantizing_from
-from mlx_mtp.prefix_cache import PrefixCache
-from mlx_mtp.quantize import quantize
-from mlx_mtp.sample import SamplingParams
-from mlx_mtp.speculative import MAX_ROLLBACK
+from mlx_mtp.cache.prefix import PrefixCache
+from mlx_mtp.models.quantize import quantize
+from mlx_mtp.decode.sample import SamplingParams
+from mlx_mtp.decode.speculative import MAX_ROLLBACK
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 12  # over ROW_EXACT_TOKENS: a chunk's quantized products may share a dequantised weight

@@ -11,12 +11,12 @@ from chat_helpers import DRAFTER, REWRITING_TEMPLATE, make_chat_model
 from conftest import tiny_target
 
 import mlx_mtp
-from mlx_mtp.cache import FULL, SLIDING
-from mlx_mtp.engine import Engine, Request
+from mlx_mtp.cache.kv import FULL, SLIDING
+from mlx_mtp.engine.engine import Engine, Request
 from mlx_mtp.loading import Loaded
 from mlx_mtp.models.base import one_by_one
-from mlx_mtp.prefix_cache import PrefixCache, token_bytes
-from mlx_mtp.speculative import MAX_ROLLBACK
+from mlx_mtp.cache.prefix import PrefixCache, token_bytes
+from mlx_mtp.decode.speculative import MAX_ROLLBACK
 
 WAIT = 60
 W = 8  # the tiny models' sliding window

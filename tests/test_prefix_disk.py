@@ -19,12 +19,12 @@ from test_prefix_cache import HOT, W, agent_session, ids, prefill
 from test_prefix_cache import sessions as memory_sessions
 
 import mlx_mtp
-from mlx_mtp import prefix_disk
-from mlx_mtp.cache import FULL, SLIDING
-from mlx_mtp.engine import Engine
-from mlx_mtp.prefix_cache import PrefixCache
-from mlx_mtp.prefix_disk import DiskTier, model_fingerprint
-from mlx_mtp.speculative import MAX_ROLLBACK
+from mlx_mtp.cache import disk as prefix_disk
+from mlx_mtp.cache.kv import FULL, SLIDING
+from mlx_mtp.engine.engine import Engine
+from mlx_mtp.cache.prefix import PrefixCache
+from mlx_mtp.cache.disk import DiskTier, model_fingerprint
+from mlx_mtp.decode.speculative import MAX_ROLLBACK
 
 WAIT = 60
 TESTS = Path(__file__).parent
@@ -165,7 +165,7 @@ def test_a_torn_or_corrupt_file_is_skipped_with_one_warning_and_removed(tmp_path
         data[-5] ^= 0x40  # one bit of the K/V
     segment.write_bytes(bytes(data))
     pc = PrefixCache(target, 0, tier(tmp_path, target))
-    with caplog.at_level(logging.WARNING, logger="mlx_mtp.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp.cache.disk"):
         assert_restores_exactly(target, pc, a + [5], 30)  # the last state lost a segment: the one before
         assert_restores_exactly(target, pc, a + [5], 30)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -181,7 +181,7 @@ def test_a_full_disk_degrades_to_memory_only_with_one_warning(tmp_path, loaded, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(prefix_disk.mx, "save_safetensors", full)
-    with caplog.at_level(logging.WARNING, logger="mlx_mtp.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="mlx_mtp.cache.disk"):
         with Engine(loaded, max_batch=2, prompt_cache_dir=tmp_path) as engine:
             outputs, stats = agent_session(engine, 4)
             metrics = engine.metrics()
@@ -233,7 +233,7 @@ CONCURRENT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from conftest import tiny_target
     from test_prefix_disk import assert_restores_exactly, ids, store_chain, tier
-    from mlx_mtp.prefix_cache import PrefixCache
+    from mlx_mtp.cache.prefix import PrefixCache
     logging.basicConfig(level=logging.WARNING)
     target = tiny_target("dense")
     me, restored, evictions = int(sys.argv[1]), [], 0

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_mtp import jit, primitives
-from mlx_mtp.batch import BatchGenerator
+from mlx_mtp.runtime import jit
+from mlx_mtp.selftest import primitives
+from mlx_mtp.decode.batch import BatchGenerator
 from mlx_mtp.loading import model_from_weights
 from mlx_mtp.models import gemma4
 from mlx_mtp.models.quantized import QuantizedLinear
-from mlx_mtp.tiny import quantized_pair, tiny_pair
-from mlx_mtp.warm import every_length
+from mlx_mtp.selftest.tiny import quantized_pair, tiny_pair
+from mlx_mtp.selftest.warm import every_length
 
 
 @pytest.fixture(scope="module")

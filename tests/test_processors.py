@@ -17,14 +17,14 @@ from conftest import TINY, reference, tiny_drafter, tiny_target
 from test_batch import prompts, run_batch
 from test_sample import STRICT, _chi2
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.drafters import MTPProposer
-from mlx_mtp.generate import row_events
-from mlx_mtp.grammar import Grammar, Vocabulary
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.drafters import MTPProposer
+from mlx_mtp.decode.generate import row_events
+from mlx_mtp.decode.grammar import Grammar, Vocabulary
 from mlx_mtp.loading import load_model
-from mlx_mtp.processors import NONE, Penalties, Processors, RowProcessing
-from mlx_mtp.sample import SamplingParams, probs
-from mlx_mtp.speculative import BatchState, Plan, run_round
+from mlx_mtp.decode.processors import NONE, Penalties, Processors, RowProcessing
+from mlx_mtp.decode.sample import SamplingParams, probs
+from mlx_mtp.decode.speculative import BatchState, Plan, run_round
 
 STOP = (1, 106)  # <eos>, <turn|> of the character-level Gemma 4 tokenizer
 N = 60  # tokens generated after a 20-token prompt: far past the sliding window of 8

@@ -15,15 +15,15 @@ from conftest import TINY, reference, tiny_target
 from mlx_lm.models.switch_layers import SwitchGLU
 from test_bench_regime import needs_mkl, run_python
 
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
 from mlx_mtp.models import gemma4, quantized
 from mlx_mtp.models.base import force_fused, using_streams
 from mlx_mtp.models.quantized import (
     ROW_EXACT_TOKENS, QuantizedEmbedding, QuantizedLinear, dequantize_rows, dequantizing_from, switch_glu,
 )
-from mlx_mtp.quantize import quantize
-from mlx_mtp.speculative import K_MAX
+from mlx_mtp.models.quantize import quantize
+from mlx_mtp.decode.speculative import K_MAX
 
 TOL = 1e-4  # test_gemma4_parity's, fp32
 # (GPU paths?, rows from which weights are dequantised): every branch there is.
@@ -211,7 +211,7 @@ import mlx.core as mx, numpy as np
 from mlx.utils import tree_map
 from conftest import tiny_target
 from mlx_mtp.models.quantized import dequantizing_from
-from mlx_mtp.quantize import quantize
+from mlx_mtp.models.quantize import quantize
 
 model = copy.deepcopy(tiny_target("moe"))
 quantize(model, {}, bits=4, group_size=32)

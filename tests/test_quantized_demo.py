@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_mtp import demo
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model, load_tokenizer
 
 

@@ -33,7 +33,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_mtp.cache import FULL, SLIDING
+from mlx_mtp.cache.kv import FULL, SLIDING
 from mlx_mtp.loading import build_model
 from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import ConfigError

@@ -7,13 +7,13 @@ import json
 import pytest
 
 import mlx_mtp
-from mlx_mtp.batch import RowEvent
+from mlx_mtp.decode.batch import RowEvent
 from mlx_mtp.demo import load_demo
-from mlx_mtp.engine import Engine, Request
+from mlx_mtp.engine.engine import Engine, Request
 from mlx_mtp.loading import Loaded, build_model, load_tokenizer
-from mlx_mtp.stats import Stats
-from mlx_mtp.text import Detokenizer, StopMatcher
-from mlx_mtp.tiny import CONFIGS, randomize
+from mlx_mtp.decode.stats import Stats
+from mlx_mtp.decode.text import Detokenizer, StopMatcher
+from mlx_mtp.selftest.tiny import CONFIGS, randomize
 
 WAIT = 60
 K = 3  # a fixed draft length: greedy rounds are then the same on every run

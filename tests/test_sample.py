@@ -1,4 +1,4 @@
-"""Tests for mlx_mtp.sample: transforms, acceptance rules and exactness.
+"""Tests for mlx_mtp.decode.sample: transforms, acceptance rules and exactness.
 
 The exactness tests simulate speculative decoding on a toy "language" over
 V=6 tokens: target and drafter are first-order Markov chains, p(x_t | x_t-1)
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_mtp.sample import (
+from mlx_mtp.decode.sample import (
     ACCEPT,
     DRAFT,
     RESAMPLE,

@@ -7,8 +7,9 @@ import sys
 import mlx.core as mx
 import pytest
 
-from mlx_mtp import selftest, speculative
-from mlx_mtp.tiny import VARIANTS
+from mlx_mtp.selftest import checks as selftest
+from mlx_mtp.decode import speculative
+from mlx_mtp.selftest.tiny import VARIANTS
 
 
 PAIRS = ["demo", *VARIANTS, "moe-q4"]

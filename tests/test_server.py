@@ -394,7 +394,7 @@ def test_a_growing_conversation_prefills_only_what_is_new(client, url):
 
 def test_engine_queue_limit_and_metrics(loaded):
     """The two engine additions the server relies on, on the Engine itself."""
-    from mlx_mtp.engine import Engine, QueueFull, Request
+    from mlx_mtp.engine.engine import Engine, QueueFull, Request
 
     with Engine(loaded, max_queue=1) as engine:
         running = engine.submit(Request(prompt="import os\n", max_tokens=1500, draft_tokens=2))

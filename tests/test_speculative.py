@@ -3,10 +3,10 @@
 import pytest
 from conftest import fused_too, reference, tiny_drafter, tiny_target
 
-from mlx_mtp.generate import generate_tokens
-from mlx_mtp.oracle import OracleDrafter as Oracle
-from mlx_mtp.sample import SamplingParams
-from mlx_mtp.stats import Stats
+from mlx_mtp.decode.generate import generate_tokens
+from mlx_mtp.decode.oracle import OracleDrafter as Oracle
+from mlx_mtp.decode.sample import SamplingParams
+from mlx_mtp.decode.stats import Stats
 
 N_TOKENS = 60  # prompt 20 + 60 generated: far past the sliding window of 8
 

@@ -9,9 +9,9 @@ import numpy as np
 from conftest import reference, tiny_drafter, tiny_target
 from test_sample import STRICT, _chi2
 
-from mlx_mtp.drafters import MTPProposer
-from mlx_mtp.sample import SamplingParams, acceptance_rate, probs
-from mlx_mtp.speculative import BatchState, Plan, run_round
+from mlx_mtp.decode.drafters import MTPProposer
+from mlx_mtp.decode.sample import SamplingParams, acceptance_rate, probs
+from mlx_mtp.decode.speculative import BatchState, Plan, run_round
 
 ROWS, K = 4000, 2
 # Half the rows sample one way, half another: one verify forward serves both.

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import TINY, tiny_target
 from apps import train_drafter
-from mlx_mtp import distill as td
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.learn import distill as td
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load_model
-from mlx_mtp.stats import Stats
+from mlx_mtp.decode.stats import Stats
 
 K = 3
 

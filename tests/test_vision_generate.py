@@ -9,15 +9,15 @@ from conftest import tiny_drafter
 from test_sample import STRICT, _chi2
 from test_vision_prompt import loaded, prompt
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.drafters import MTPProposer
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.drafters import MTPProposer
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.models.gemma4_vision import ImageRows, PromptImages
-from mlx_mtp.prefix_cache import PrefixCache
-from mlx_mtp.prefix_disk import DiskTier, model_fingerprint
-from mlx_mtp.sample import SamplingParams, probs
-from mlx_mtp.stats import Stats
-from mlx_mtp.speculative import BatchState, Plan, run_round
+from mlx_mtp.cache.prefix import PrefixCache
+from mlx_mtp.cache.disk import DiskTier, model_fingerprint
+from mlx_mtp.decode.sample import SamplingParams, probs
+from mlx_mtp.decode.stats import Stats
+from mlx_mtp.decode.speculative import BatchState, Plan, run_round
 
 DRAFTER = {"bidir": "dense", "causal": "e2b"}  # independently random drafters of the same shapes
 

@@ -10,8 +10,8 @@ from chat_helpers import DRAFTER, make_vision_chat_model
 from PIL import Image
 
 from mlx_mtp import Engine, Request, load
-from mlx_mtp.generate import generate_tokens
-from mlx_mtp.images import ImageError
+from mlx_mtp.decode.generate import generate_tokens
+from mlx_mtp.formats.images import ImageError
 from mlx_mtp.models.gemma4_vision import placeholder_runs
 
 WAIT = 120
@@ -248,7 +248,7 @@ def test_http_image_urls_are_fetched_only_when_allowed(api, tmp_path):
 
 
 def test_a_part_may_ask_for_its_budget():
-    from mlx_mtp.vision import ImagePart, message_images
+    from mlx_mtp.formats.vision import ImagePart, message_images
 
     sources, messages = message_images([{"role": "user", "content": [
         {"type": "image", "image": b"a", "max_soft_tokens": 560},

@@ -7,12 +7,12 @@ import pytest
 from chat_helpers import DRAFTER, make_chat_model
 
 import mlx_mtp
-from mlx_mtp.conversations import Conversations
-from mlx_mtp.prepare import Preparer
-from mlx_mtp.requests import Request
-from mlx_mtp.row import RowEvent
-from mlx_mtp.stats import Stats
-from mlx_mtp.worker import Settings, Worker
+from mlx_mtp.engine.conversations import Conversations
+from mlx_mtp.engine.prepare import Preparer
+from mlx_mtp.engine.requests import Request
+from mlx_mtp.decode.row import RowEvent
+from mlx_mtp.decode.stats import Stats
+from mlx_mtp.engine.worker import Settings, Worker
 
 WAIT = 30
 

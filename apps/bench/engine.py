@@ -27,9 +27,9 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_mtp
-from mlx_mtp.engine import Engine, Request
-from mlx_mtp.generate import generate_tokens
-from mlx_mtp.stats import Stats
+from mlx_mtp.engine.engine import Engine, Request
+from mlx_mtp.decode.generate import generate_tokens
+from mlx_mtp.decode.stats import Stats
 
 from .env import median
 from .prompts import prompt_sets

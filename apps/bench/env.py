@@ -11,7 +11,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlx_mtp.memory import BACKENDS, Device
+from mlx_mtp.runtime.memory import BACKENDS, Device
 
 from . import regime
 

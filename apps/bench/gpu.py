@@ -31,11 +31,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_mtp import jit, kernels
-from mlx_mtp.drafters import MTPProposer
-from mlx_mtp.memory import BACKENDS, Device, nbytes
-from mlx_mtp.speculative import K_MAX
-from mlx_mtp.warm import Cycle, cycling
+from mlx_mtp.runtime import jit
+from mlx_mtp import kernels
+from mlx_mtp.decode.drafters import MTPProposer
+from mlx_mtp.runtime.memory import BACKENDS, Device, nbytes
+from mlx_mtp.decode.speculative import K_MAX
+from mlx_mtp.selftest.warm import Cycle, cycling
 from mlx_mtp.models import gemma4
 
 from . import inmemory, peers

@@ -4,7 +4,7 @@ run on one copy of the weights on one device.
 
 The converter's shapes-only plan (`convert.plan(..., shapes_only=True)`) says which tensors the
 checkpoint holds, their shapes and their quantization (4-bit affine, group 64; the MoE router
-and dense MLP as `mlx_mtp.quantize` chooses). Its lazily initialised arrays are never evaluated:
+and dense MLP as `mlx_mtp.models.quantize` chooses). Its lazily initialised arrays are never evaluated:
 each tensor is drawn again directly in its stored form (random packed codes, scales and biases
 that give weights of standard deviation 1 / sqrt(fan-in)), one tensor at a time, so memory holds
 the quantized model and nothing more. Nothing is written to disk but two small config files

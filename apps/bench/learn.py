@@ -8,7 +8,7 @@
 1. Traffic: `--requests` prompts answered by that target through an `Engine` that keeps them (`learn_dir`),
    MTP on, sampled at `--temperature` (0.8: greedy replies of the shipped target fall at once into a repeat,
    "1, 1, 1, ..."). Served once: `--captures DIR` keeps them, and a rerun serves only what is missing.
-2. Adaptation: `mlx_mtp.learn.adapt` on it within `--minutes`, measuring included (as `python -m
+2. Adaptation: `mlx_mtp.learn.learner.adapt` on it within `--minutes`, measuring included (as `python -m
    mlx_mtp.learn --minutes`): accepted drafts per round (K = 3) before and after, on the newest tenth of the
    requests (held out; the sample that fits a quarter of the time) and on the general sample (standard
    library modules), the noise margin, whether the adapted drafter was written, and where the time went.
@@ -93,7 +93,7 @@ def tuned_target(folder: Path, steps: int, log) -> Path:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx_mtp import distill, learn
+    from mlx_mtp.learn import distill, learner as learn
     from mlx_mtp.demo import TARGET_DIR, load_demo
     from mlx_mtp.loading import load_model
     from mlx_mtp.models.layout import checkpoint_weights
@@ -148,7 +148,7 @@ def capture_traffic(loaded, prompts: list[str], folder: Path, max_tokens: int, t
 
 def wall_clock(loaded, drafter, prompts: list[list[int]], max_tokens: int) -> dict:
     """B = 1 tok/s of plain and MTP auto over `prompts` (token ids), and whether MTP equals plain."""
-    from mlx_mtp.generate import generate_tokens
+    from mlx_mtp.decode.generate import generate_tokens
 
     out, runs = {}, {}
     for mode in ("plain", "auto"):
@@ -170,7 +170,7 @@ def run_learn(args, log=print) -> dict:
                                              for shape in args.real_step.split(",") for train in (True, False)])
     import mlx.core as mx
 
-    from mlx_mtp import capture, distill, learn
+    from mlx_mtp.learn import capture, distill, learner as learn
     from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
     from mlx_mtp.loading import load, load_model
 
@@ -246,8 +246,8 @@ def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> d
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_mtp import distill
-    from mlx_mtp.cache import FULL, SLIDING, SharedKV
+    from mlx_mtp.learn import distill
+    from mlx_mtp.cache.kv import FULL, SLIDING, SharedKV
     from mlx_mtp.models import gemma4
 
     from .cost import ASSISTANTS, CONFIGS, TARGETS

@@ -23,10 +23,10 @@ import time
 
 import mlx.core as mx
 
-from mlx_mtp.drafters import HybridDrafter, MTPProposer, NgramDrafter
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.drafters import HybridDrafter, MTPProposer, NgramDrafter
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
-from mlx_mtp.stats import Stats
+from mlx_mtp.decode.stats import Stats
 
 from .env import median
 from .report import checked, fmt, section, table

@@ -2,7 +2,7 @@
 a drafter whose drafts are right with a chosen probability while the real assistant's cost is paid,
 and a generator whose rows join the batch together, so every timed round has B rows.
 
-A row's drafts come from `RowsOracle`: like `mlx_mtp.oracle.OracleDrafter` (lazy, no host read
+A row's drafts come from `RowsOracle`: like `mlx_mtp.decode.oracle.OracleDrafter` (lazy, no host read
 inside a round; whether the draft at a position is right is a hash of (seed, position), so every
 K meets the same luck) but with one truth per row: row r proposes the plain greedy continuation
 of its own prompt. It runs the pair's real drafter too (`inner`), so each round pays the real
@@ -20,12 +20,12 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.prefill import Prefill
-from mlx_mtp.sample import uniform
-from mlx_mtp.speculative import K_MAX, Drafts
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.prefill import Prefill
+from mlx_mtp.decode.sample import uniform
+from mlx_mtp.decode.speculative import K_MAX, Drafts
 
-_RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.oracle uses
+_RIGHT, _WRONG = 5, 6  # the random streams mlx_mtp.decode.oracle uses
 
 
 class RowsOracle:

@@ -1,4 +1,4 @@
-"""Pipeline mode: one process vs two local ranks (`mlx_mtp.pipeline`), MTP on and off.
+"""Pipeline mode: one process vs two local ranks (`mlx_mtp.distributed.pipeline`), MTP on and off.
 
 Reports decode tok/s of each, and what crosses ranks per verify round: messages and bytes on
 the device links (activations, drafts, decisions) and host control messages. LOCAL LOOPBACK
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlx_mtp import pipeline
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.group import launched, loopback_hostfile
+from mlx_mtp.distributed import pipeline
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.distributed.group import launched, loopback_hostfile
 from mlx_mtp.loading import load
 
 from .report import section, table

@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
 
 from .env import median

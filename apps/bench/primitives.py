@@ -2,7 +2,7 @@
 
 Per shape (the demo pair with its weights; the 31B, 26B-A4B and E4B at their released shapes with
 weights that hold no memory: zero-stride arrays, 4-bit group 64 as the product's conversions, never
-evaluated but for the CPU MoE's routing) and path (`mlx_mtp.primitives.PATHS`: the CPU's compiled
+evaluated but for the CPU MoE's routing) and path (`mlx_mtp.selftest.primitives.PATHS`: the CPU's compiled
 ops, MLX's GPU kernels as Metal runs them, mlx_mtp's CUDA kernels through the faked device): the
 primitives of a plain decoding step at B rows and of a greedy K-draft round (the drafter's K steps,
 the verify of K + 1 tokens, acceptance, the cache's updates), counted in the unevaluated graph.
@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_mtp import primitives
+from mlx_mtp.selftest import primitives
 from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4, gemma4_assistant
 from mlx_mtp.models.base import cpu_stream_count

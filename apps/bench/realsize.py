@@ -26,13 +26,13 @@ import mlx.core as mx
 import numpy as np
 
 from convert.convert import plan, write_weights
-from mlx_mtp.cache import FULL
-from mlx_mtp.drafters import MTPProposer
+from mlx_mtp.cache.kv import FULL
+from mlx_mtp.decode.drafters import MTPProposer
 from mlx_mtp.loading import load
 from mlx_mtp.models import gemma4
 from mlx_mtp.models.base import cpu_stream_count, using_streams
 from mlx_mtp.models.quantized import dequantize_rows
-from mlx_mtp.speculative import MAX_ROLLBACK
+from mlx_mtp.decode.speculative import MAX_ROLLBACK
 
 from .cost import ASSISTANTS, CONFIGS, TARGETS, TINY
 from .env import median, reset_peak_rss, rss_gib, time_fn

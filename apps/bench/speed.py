@@ -22,13 +22,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_mtp import jit
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.runtime import jit
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
-from mlx_mtp.speculative import K_MAX
-from mlx_mtp.stats import Stats
-from mlx_mtp.warm import every_length
+from mlx_mtp.decode.speculative import K_MAX
+from mlx_mtp.decode.stats import Stats
+from mlx_mtp.selftest.warm import every_length
 
 from .env import median, peak_mb, reset_peak
 from .prompts import prompt_sets

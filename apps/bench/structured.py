@@ -25,12 +25,12 @@ import json
 
 import numpy as np
 
-from mlx_mtp import chat_format
-from mlx_mtp.batch import BatchGenerator
-from mlx_mtp.grammar import Clock, Grammar, Vocabulary
+from mlx_mtp.formats import chat as chat_format
+from mlx_mtp.decode.batch import BatchGenerator
+from mlx_mtp.decode.grammar import Clock, Grammar, Vocabulary
 from mlx_mtp.loading import load
-from mlx_mtp.processors import Processors
-from mlx_mtp.sample import SamplingParams
+from mlx_mtp.decode.processors import Processors
+from mlx_mtp.decode.sample import SamplingParams
 
 from .env import median
 from .report import fmt, section, table

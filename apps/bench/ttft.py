@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_mtp.generate import generate_tokens
+from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.loading import load
 from mlx_mtp.models.layout import checkpoint_weights
 

@@ -32,9 +32,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from apps.demo_pair.data import stdlib_files  # noqa: E402
-from mlx_mtp.generate import generate_tokens  # noqa: E402
+from mlx_mtp.decode.generate import generate_tokens  # noqa: E402
 from mlx_mtp.loading import load  # noqa: E402
-from mlx_mtp.stats import Stats  # noqa: E402
+from mlx_mtp.decode.stats import Stats  # noqa: E402
 
 LOOP_DISTINCT_4GRAMS = 0.5
 LOOP_MIN_DISTINCT_TOKENS = 8

@@ -1,6 +1,6 @@
 """The contract between models and the generation loop, plus small shared helpers.
 
-The loop in `generate.py` / `speculative.py` only ever sees `TargetModel` and `Drafter`;
+The loop in `decode/generate.py` / `decode/speculative.py` only ever sees `TargetModel` and `Drafter`;
 nothing outside `models/` names a Gemma class.
 """
 
@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KVCache, SharedKV, Step
-from ..jit import Bounded
+from ..cache.kv import KVCache, SharedKV, Step
+from ..runtime.jit import Bounded
 
 log = logging.getLogger("mlx_mtp")
 

@@ -19,8 +19,8 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
-from ..cache import FULL, SLIDING, KVCache, Ragged, Step
-from ..jit import small
+from ..cache.kv import FULL, SLIDING, KVCache, Ragged, Step
+from ..runtime.jit import small
 from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
                    rows_apart)
 from .layout import JOINS, join, joined_name, keeping_parts, parts, unjoin  # noqa: F401 (the module's layout API)
@@ -470,7 +470,7 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sources = {cfg.kv_source(i) for i in range(cfg.first_shared_layer, cfg.num_hidden_layers)}
-        self.pipeline = None  # this process's pipeline stage (mlx_mtp.pipeline.Stage); None: all layers here
+        self.pipeline = None  # this process's stage (`distributed.pipeline.Stage`); None: all layers here
         if cfg.hidden_size_per_layer_input:
             n, P = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
             self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input, n * P)

@@ -15,8 +15,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import FULL, SLIDING, Step
-from ..jit import small
+from ..cache.kv import FULL, SLIDING, Step
+from ..runtime.jit import small
 from . import gemma4
 from .base import BaseConfig, ConfigError, DraftOutput, SharedKV, TargetModel, compiled, fused_kernels
 from .quantized import Embedding, Linear

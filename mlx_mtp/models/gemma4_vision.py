@@ -1,6 +1,6 @@
 """Gemma 4 vision encoder (`gemma4_vision`) and the embedder of its soft tokens into the text model.
 
-An image's 16x16 patches (`mlx_mtp.images`) become soft tokens: a linear patch embedding plus a
+An image's 16x16 patches (`mlx_mtp.formats.images`) become soft tokens: a linear patch embedding plus a
 learned (x, y) position table, a ViT with 2D rotary attention over the image's own patches, 3x3
 average pooling, then an RMSNorm without scale and a projection to the text width (`embed_vision`).
 Each image runs alone over its real patches only: transformers pads images to one length and masks
@@ -241,7 +241,7 @@ class MultimodalEmbedder(nn.Module):
 
 class Vision(nn.Module):
     """The image path of a `gemma4` checkpoint: `vision_tower` and `embed_vision`. Called on one
-    processed image (`mlx_mtp.images.Patches`), returns its soft tokens (N, text hidden)."""
+    processed image (`mlx_mtp.formats.images.Patches`), returns its soft tokens (N, text hidden)."""
 
     def __init__(self, cfg: VisionConfig, text_hidden: int):
         super().__init__()

@@ -8,8 +8,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..cache import Step
-from ..jit import small
+from ..cache.kv import Step
+from ..runtime.jit import small
 from .base import ConfigError, fused_kernels
 
 

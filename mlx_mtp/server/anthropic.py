@@ -20,10 +20,10 @@ import re
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from .. import chat_format
-from ..chat_format import Delta
-from ..grammar import Grammar
-from ..requests import ContextLengthError, Request
+from ..formats import chat as chat_format
+from ..formats.chat import Delta
+from ..decode.grammar import Grammar
+from ..engine.requests import ContextLengthError, Request
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
                      unsupported)
@@ -178,7 +178,7 @@ def _user(blocks: list, i: int, names: dict, asked: set) -> list:
             text.append(_image(block, f"{where}.content[{j}]"))
         else:
             text.append(_block_text(block, f"{where}.content[{j}]"))
-    if any(isinstance(t, dict) for t in text):  # images: the content as parts (`mlx_mtp.vision`)
+    if any(isinstance(t, dict) for t in text):  # images: the content as parts (`mlx_mtp.formats.vision`)
         parts = [t if isinstance(t, dict) else {"type": "text", "text": t} for t in text]
         return results + [{"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])

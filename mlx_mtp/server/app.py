@@ -30,9 +30,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import chat_format
-from ..chat_format import Delta
-from ..requests import ContextLengthError, QueueFull, RequestHandle
+from ..formats import chat as chat_format
+from ..formats.chat import Delta
+from ..engine.requests import ContextLengthError, QueueFull, RequestHandle
 from . import anthropic, protocol
 from .common import KEEPALIVE, APIError, Outcome, ServedModel, invalid
 from .metrics import render as render_metrics

@@ -132,8 +132,8 @@ def main(argv=None) -> int:
 def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes: int) -> list[str]:
     """What the server says as it starts: where it serves, the draft policy, the prompt cache's
     tiers, and whether requests are being kept (--learn-dir)."""
-    from ..memory import size
-    from ..prefix_disk import DEFAULT_BUDGET
+    from ..runtime.memory import size
+    from ..cache.disk import DEFAULT_BUDGET
 
     if not mtp:
         policy = "MTP off (no drafter: plain decoding)"
@@ -161,9 +161,9 @@ def serve(loaded, model_id: str, args) -> int:
     """Serve a loaded model as `model_id` until interrupted."""
     import uvicorn
 
-    from .. import jit
+    from ..runtime import jit
     from ..cli import error_line
-    from ..engine import Engine
+    from ..engine.engine import Engine
     from .app import Settings, create_app, served_model
 
     model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from ..chat_format import Delta
-from ..grammar import Grammar
-from ..requests import Request
-from ..sample import SamplingParams
-from ..speculative import K_MAX
-from ..stats import Stats
+from ..formats.chat import Delta
+from ..decode.grammar import Grammar
+from ..engine.requests import Request
+from ..decode.sample import SamplingParams
+from ..decode.speculative import K_MAX
+from ..decode.stats import Stats
 
 KEEPALIVE = Delta("keepalive")  # a stream's piece that says "still working": a ping, an SSE comment
 

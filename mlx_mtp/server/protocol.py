@@ -17,12 +17,12 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from .. import chat_format
-from ..chat_format import Delta, Reply, ToolCall
-from ..grammar import Grammar
-from ..processors import MAX_LOGPROBS, Penalties
-from ..requests import ContextLengthError, Request, TokenLogprob
-from ..stats import Stats
+from ..formats import chat as chat_format
+from ..formats.chat import Delta, Reply, ToolCall
+from ..decode.grammar import Grammar
+from ..decode.processors import MAX_LOGPROBS, Penalties
+from ..engine.requests import ContextLengthError, Request, TokenLogprob
+from ..decode.stats import Stats
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
                      forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings,
                      structured, typed, unsupported)
@@ -257,7 +257,7 @@ def _has_images(content: Any) -> bool:
 
 def _image_content(content: list, i: int) -> list:
     """A user message's text and `image_url` parts (a data URL, or http(s) where the server fetches
-    them), as chat templates take them (`mlx_mtp.vision`)."""
+    them), as chat templates take them (`mlx_mtp.formats.vision`)."""
     parts = []
     for j, p in enumerate(content):
         where = f"messages[{i}].content[{j}]"

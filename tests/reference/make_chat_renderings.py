@@ -1,6 +1,6 @@
 """Render the released Gemma 4 chat templates with transformers, once, as test fixtures.
 
-Ground truth for `mlx_mtp.chat_format.render`: transformers' own `apply_chat_template`
+Ground truth for `mlx_mtp.formats.chat.render`: transformers' own `apply_chat_template`
 (pinned transformers==5.23.0; rendering needs no torch). Usage, in a venv of its own:
 
     python -m venv /tmp/ref-venv && /tmp/ref-venv/bin/pip install transformers==5.23.0 jinja2

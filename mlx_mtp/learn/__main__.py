@@ -1,0 +1,5 @@
+import sys
+
+from .learner import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from .checks import main
+
+sys.exit(main())
