@@ -144,7 +144,7 @@ def test_greedy_mtp_equals_plain_through_the_kernels_one_row_and_a_batch(monkeyp
     finally:
         mx.enable_compile()
     ran = {family for family, kernel in dispatch.decisions if kernel == dispatch.OURS}
-    fused = {"attention input", "MLP input", "experts input", "residual"}
+    fused = {"attention input", "MLP input", "experts input", "residual", "router"}
     assert ran == {"quantized matmul", "attention", *fused}, dispatch.summary()
 
 
@@ -227,7 +227,7 @@ def test_fused_layers_are_closer_to_float32_than_mlxs_ops_and_each_row_is_its_ow
             fused, ops = layers(target, "auto"), layers(target, "mlx")
     finally:
         mx.enable_compile()
-    assert {"attention input", "MLP input", "experts input", "residual"} <= ran, dispatch.summary()
+    assert {"attention input", "MLP input", "experts input", "residual", "router"} <= ran, dispatch.summary()
     assert mx.array_equal(whole, alone)
     error = lambda a, b: float(mx.max(mx.abs(a.astype(mx.float32) - b)) / mx.max(mx.abs(b)))  # noqa: E731
     for got, mlx, want in zip(fused, ops, truth):  # per layer: output, keys, values

@@ -76,8 +76,25 @@ def test_the_cuda_path_stands_in_mlx_mtps_kernels():
     # the products on mlx_mtp's kernels instead of MLX's quantized matmuls, the norms, RoPE, GLUs and
     # residual adds fused into issue 42's kernels
     assert cuda["QuantizedMatmul"] < metal["QuantizedMatmul"]
-    assert {"attention input", "MLP input", "experts input", "residual"} <= ours
+    assert {"attention input", "MLP input", "experts input", "residual", "router"} <= ours
     assert sum(cuda.values()) < sum(metal.values())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_moe_layer_on_the_cuda_path_is_ten_kernels_and_its_kv_writes(rows):
+    """Issue 42's target, <= 14 nodes an MoE layer: attention's input, attention, o, the glue, the MLP's input
+    and down, the router (norm, scores, top-k, softmax, expert scales), the experts' input and down, the glue
+    with the experts' weighted sum; and the K and V writes. Nothing is left to MLX's ops (the router's top-k
+    and the weighted sum were 17 nodes)."""
+    target = quantized_pair().target
+    cache = primitives.filled_cache(target, rows, 16)
+    step = cache.begin(1)
+    x = mx.zeros((rows, target.config.hidden_size), mx.bfloat16)
+    mx.eval(step.positions, step.masks, x)
+    with primitives.path("cuda"):
+        for layer in target.model.layers:
+            h, kv = layer(x, step)
+            assert primitives.node_kinds(h, *kv) == {primitives.STAND_IN: 10, "DynamicSliceUpdate": 2}
 
 
 def test_joined_checkpoints_and_the_checkpoint_layout_load_the_same(dense):

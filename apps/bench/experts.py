@@ -14,7 +14,7 @@ from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
 from mlx_mtp.batch import BatchGenerator
 from mlx_mtp.loading import load
-from mlx_mtp.models import gemma4
+from mlx_mtp.models import moe
 
 from .env import median, time_fn
 from .report import fmt, section, table
@@ -39,17 +39,17 @@ def measure_union(loaded, prompts, k, n, repeats):
             gen.step()
         steps, unions = [], []
         while gen.busy:
-            gemma4.ROUTER_RECORD = [] if record else None
+            moe.ROUTER_RECORD = [] if record else None
             rows = len(gen.rows)
             start = time.perf_counter()
             gen.step()
             steps.append(time.perf_counter() - start)
             if record:
-                verify = [np.array(i) for i in gemma4.ROUTER_RECORD]
+                verify = [np.array(i) for i in moe.ROUTER_RECORD]
                 if verify:
                     T = verify[0].size // verify[0].shape[-1]  # tokens (ids: tokens x top_k)
                     unions.append((T, rows, [len(np.unique(v)) for v in verify]))
-        gemma4.ROUTER_RECORD = None
+        moe.ROUTER_RECORD = None
         return steps, unions
 
     _, unions = run(True)
@@ -123,7 +123,7 @@ def run_experts(args, log=print) -> dict:
         rc = real_config(args.shape)
         if not rc.enable_moe_block:
             raise SystemExit(f"{args.shape} has no MoE block")
-        experts = gemma4.Experts(rc)
+        experts = moe.Experts(rc)
         if args.bits:
             nn.quantize(experts, group_size=64, bits=args.bits)
         mx.eval(experts.parameters())

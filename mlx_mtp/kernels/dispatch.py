@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from . import attn_input, ffn, glue, qmm, sdpa
+from . import attn_input, ffn, glue, qmm, routing, sdpa
 
 
 SWITCH = "MLX_MTP_KERNELS"
@@ -149,12 +149,19 @@ def _experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[
                                   down.group_size, down.bits, down.mode)
 
 
-def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more) -> str:
-    """Why a residual block's glue (post-norms, add, layer scalar, next norm) keeps MLX's ops ('' if it
-    takes the fused kernel); `more`: its other operands."""
+def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more,
+             route: Optional[mx.array] = None) -> str:
+    """Why a residual block's glue (post-norms, add, layer scalar, next norm; the experts' weighted sum
+    with `route`) keeps MLX's ops ('' if it takes the fused kernel); `more`: its other operands."""
     rows = x.size // x.shape[-1]
     return _fused("residual", lambda: ("" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows")
-                  or glue.supports(x, y, w, scalar, *more))
+                  or glue.supports(x, y, w, scalar, *more, route=route))
+
+
+def router(x: mx.array, scale: mx.array, proj, per_expert: mx.array, top_k: int) -> str:
+    """Why an MoE router (norm, scores, top-k, softmax, expert scales) keeps MLX's ops ('' if it takes the
+    fused kernel)."""
+    return _fused("router", lambda: routing.supports(x, scale, proj, per_expert, top_k))
 
 
 def summary() -> str:
