@@ -29,7 +29,7 @@ _DENSE = Kernel("mtp_qmm_dense", "qmm.cuh", ["x", "w", "scales", "biases"], ["y"
 _EXPERTS = Kernel("mtp_qmm_experts", "qmm.cuh",
                   ["x", "ids", "w", "scales", "biases", "w2", "scales2", "biases2"], ["y"],
                   "mtp_qmm_experts<T, BITS, GROUP, MT, NW, DEPTH, XDIV, GLU>(x, ids, w, scales, biases, w2, scales2, "
-                  "biases2, y, ids_shape[0] * (ids_ndim > 1 ? ids_shape[1] : 1), w_shape[1], x_shape[1]);")
+                  "biases2, y, ids_shape[0] * (ids_ndim > 1 ? ids_shape[1] : 1), w_shape[1], x_shape[x_ndim - 1]);")
 
 
 def warps(n: int, k: int, bits: int) -> int:
