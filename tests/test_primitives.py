@@ -97,6 +97,32 @@ def test_an_moe_layer_on_the_cuda_path_is_ten_kernels_and_its_kv_writes(rows):
             assert primitives.node_kinds(h, *kv) == {primitives.STAND_IN: 10, "DynamicSliceUpdate": 2}
 
 
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("tokens,fewer", [(3, 8), (40, 3)])  # 6 pairs; 80: mlx-lm sorts the rows by expert
+def test_the_gpus_experts_are_mlx_lms_switch_glu_bitwise_in_fewer_nodes(bits, tokens, fewer):
+    """MLX's gather products with their row indices handed in as constants: the same products of the same rows
+    (the output bitwise), without the Arange that makes them (and its reshape and broadcast, rows unsorted)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_mtp.models import moe
+    from mlx_mtp.models.quantized import gathered_glu
+
+    glu = SwitchGLU(64, 32, 6, moe.GeGLU())
+    for name, p in (("gate_proj", glu.gate_proj), ("up_proj", glu.up_proj), ("down_proj", glu.down_proj)):
+        p.weight = mx.random.normal(p.weight.shape, key=mx.random.key(len(name))) / 8
+    if bits:
+        nn.quantize(glu, group_size=32, bits=bits)
+    dtype = mx.bfloat16 if bits else mx.float32  # (MLX's CPU gather_mm takes float32 only)
+    x = mx.random.normal((tokens, 64), key=mx.random.key(7)).astype(dtype)
+    glu.set_dtype(dtype)
+    idx = mx.array(np.random.default_rng(tokens).integers(0, 6, (tokens, 2)), dtype=mx.uint32)
+    mx.eval(glu.parameters(), x, idx)
+    want, got = glu(x, idx), gathered_glu(glu, x, idx)
+    assert total(primitives.node_kinds(want)) - total(primitives.node_kinds(got)) == fewer
+    assert "Arange" not in primitives.node_kinds(got)
+    assert got.shape == (tokens, 2, 64) and mx.array_equal(got, want)
+
+
 def test_joined_checkpoints_and_the_checkpoint_layout_load_the_same(dense):
     """sanitize joins q/k/v and gate/up (idempotent); unjoin writes the checkpoint's layout back."""
     config = {"model_type": "gemma4_text", **dense.target.config.__dict__}

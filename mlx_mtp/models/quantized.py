@@ -43,7 +43,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 from .. import kernels
 from .base import cpu_stream_count, fused_kernels
@@ -319,11 +319,11 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     floating = mx.issubdtype(w.dtype, mx.floating)
     if fused_kernels():
         if floating:  # float32 where loading widened it for the backend
-            return glu(x.astype(w.dtype), idx).astype(x.dtype)
+            return gathered_glu(glu, x.astype(w.dtype), idx).astype(x.dtype)
         y = kernels.switch_glu(glu, x, idx)
         if y is None and kernels.prefill_experts(glu, idx):  # a prompt chunk on CUDA: grouped by expert
             return grouped_glu(glu, x, idx, x.dtype, gpu=True)
-        return glu(x, idx) if y is None else y
+        return gathered_glu(glu, x, idx) if y is None else y
     dtype = w.dtype if floating else mx.float32
     sizes = ragged_sizes(idx.size // idx.shape[-1])
     if sizes is None:
@@ -333,6 +333,49 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     y = _by_sequence(lambda rows, ids, n: grouped_glu(glu, rows, ids, dtype, tokens=n), sizes,
                      x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]))
     return y.reshape(*idx.shape, -1).astype(x.dtype)
+
+
+def gathered_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
+    """mlx-lm's SwitchGLU forward (MLX's gather products; rows sorted by expert from 64 pairs), with the
+    products' row indices handed in as constants: MLX makes them with an Arange per product, and a reshape
+    and a broadcast where the rows are not sorted (8 graph nodes a decode step's layer). The same products
+    of the same rows: bitwise its output."""
+    k = idx.shape[-1]
+    x = mx.expand_dims(x, (-2, -3))
+    ids = mx.stop_gradient(idx)
+    ordered = ids.size >= 64  # as mlx-lm's SwitchGLU decides
+    if ordered:  # x and h: a row per pair
+        x, ids, inverse = _gather_sort(x, ids)
+        tokens = pairs = _row_index((ids.size,), 1)
+    else:  # x: a row per token, h: a row per pair
+        tokens, pairs = _row_index(ids.shape, k), _row_index(ids.shape, 1)
+    h = glu.activation(_gathered(glu.up_proj, x, tokens, ids, ordered),
+                       _gathered(glu.gate_proj, x, tokens, ids, ordered))
+    y = _gathered(glu.down_proj, h, pairs, ids, ordered)
+    if ordered:
+        y = _scatter_unsort(y, inverse, idx.shape)
+    return y.squeeze(-2)
+
+
+@lru_cache(maxsize=None)
+def _row_index(shape: tuple, k: int) -> mx.array:
+    """The row of each (token, expert) pair of `shape` in a product's input of one row per `k` pairs: an
+    evaluated constant (no graph node)."""
+    index = mx.array((np.arange(math.prod(shape), dtype=np.uint32) // k).reshape(shape))
+    mx.eval(index)
+    return index
+
+
+def _gathered(layer: nn.Module, x: mx.array, rows: mx.array, ids: mx.array, ordered: bool) -> mx.array:
+    """A (Quantized)SwitchLinear's forward (mlx-lm's) with the row indices given."""
+    if "scales" in layer:
+        y = mx.gather_qmm(x, layer["weight"], layer["scales"], layer.get("biases"), lhs_indices=rows, rhs_indices=ids,
+                          transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                          global_scale=getattr(layer, "global_scale", None), sorted_indices=ordered)
+    else:
+        y = mx.gather_mm(x, layer["weight"].swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ids,
+                         sorted_indices=ordered)
+    return y if "bias" not in layer else y + mx.expand_dims(layer["bias"][ids], -2)
 
 
 def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
