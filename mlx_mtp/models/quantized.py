@@ -233,13 +233,10 @@ def _spread(product, features: int, step: int, streams: list, evaluate: bool) ->
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
-def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
-                  tokens_per_row: Optional[int] = None) -> mx.array:
-    """A quantized layer's (or one expert's, on the running stream) product on the CPU backend, fp32."""
-    pick = (lambda a: a) if expert is None else (lambda a: a[expert])
-    biases = layer.get("biases")
-    return quantized_matmul(x, pick(layer["weight"]), pick(layer["scales"]), None if biases is None else pick(biases),
-                            layer.group_size, layer.bits, layer.mode, tokens_per_row, split=expert is None)
+def _layer_matmul(layer: nn.Module, x: mx.array) -> mx.array:
+    """A quantized layer's product on the CPU backend, fp32."""
+    return quantized_matmul(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                            layer.mode)
 
 
 class Linear(nn.Linear):
@@ -395,31 +392,56 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
     expert = _expert_gpu if gpu else _expert
     weights = glu.up_proj.weight.shape[1] * x.shape[-1]  # one expert projection's
     streams = [mx.default_stream(mx.default_device())] if gpu else _streams_for(weights)
+    up, gate, down = (_ByExpert(p, experts.tolist()) for p in (glu.up_proj, glu.gate_proj, glu.down_proj))
     outs = []
     for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
         with mx.stream(streams[i % len(streams)]):
             xe = rows[start:end]
-            h = glu.activation(expert(glu.up_proj, e, xe, tokens), expert(glu.gate_proj, e, xe, tokens))
-            outs.append(expert(glu.down_proj, e, h, tokens))
+            h = glu.activation(expert(up, e, xe, tokens), expert(gate, e, xe, tokens))
+            outs.append(expert(down, e, h, tokens))
         if not gpu and tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
             mx.eval(outs[-len(streams):])  # a prompt chunk's dequantised experts: a round at a time
     y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
     return y.reshape(*idx.shape, -1)
 
 
-def _expert_gpu(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+class _ByExpert:
+    """The `used` experts' parts of a (Quantized)SwitchLinear's arrays (E, N, ...): each array as E runs of N
+    rows (a reshape), cut at the used experts' bounds (one Split), so that an expert's are views, not copies
+    (a gather and a squeeze each): two nodes an array, not two an expert and array."""
+
+    def __init__(self, layer: nn.Module, used: Sequence[int]):
+        self.layer, n, E = layer, layer["weight"].shape[1], layer["weight"].shape[0]
+        cuts = sorted({b for e in used for b in (e * n, (e + 1) * n)} - {0, E * n})
+        starts = [0, *cuts]
+        self.part = {e: starts.index(e * n) for e in used}
+        self.parts = {}
+        for k in ("weight", "scales", "biases", "bias"):
+            if layer.get(k) is not None:
+                rows = layer[k].reshape(E * n, *layer[k].shape[2:])
+                self.parts[k] = mx.split(rows, cuts, axis=0) if cuts else [rows]
+
+    def __call__(self, name: str, e: int) -> Optional[mx.array]:
+        """Expert e's `name` array (None where the layer has none)."""
+        parts = self.parts.get(name)
+        return None if parts is None else parts[self.part[e]]
+
+
+def _expert_gpu(experts: _ByExpert, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
     """One quantized expert of a QuantizedSwitchLinear on rows x, on MLX's GPU kernels."""
-    biases = layer.get("biases")
-    return mx.quantized_matmul(x, layer["weight"][e], layer["scales"][e], None if biases is None else biases[e], True,
+    layer = experts.layer
+    return mx.quantized_matmul(x, experts("weight", e), experts("scales", e), experts("biases", e), True,
                                layer.group_size, layer.bits, mode=layer.mode)
 
 
-def _expert(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+def _expert(experts: _ByExpert, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
     """One expert of a (Quantized)SwitchLinear on rows x (of a forward of `tokens_per_row`)."""
+    layer = experts.layer
     if "scales" in layer:
-        y = _layer_matmul(layer, x, e, tokens_per_row)
+        y = quantized_matmul(x, experts("weight", e), experts("scales", e), experts("biases", e), layer.group_size,
+                             layer.bits, layer.mode, tokens_per_row, split=False)
     else:
-        y = x @ layer["weight"][e].T
+        y = x @ experts("weight", e).T
     if "bias" in layer:
-        y = y + layer["bias"][e]
+        y = y + experts("bias", e)
     return y
