@@ -64,8 +64,11 @@ def switch_glu(glu, x, indices, do_sort: bool):
     idx, inv = indices, None
     if do_sort:
         x, idx, inv = _gather_sort(x, indices)
-    up = glu.up_proj(x, idx, sorted_indices=do_sort)
-    gate = glu.gate_proj(x, idx, sorted_indices=do_sort)
+    if "gate_up_proj" in glu:  # gate and up joined (models.moe.SwitchGLU): one product, then its halves
+        gate, up = mx.split(glu.gate_up_proj(x, idx, sorted_indices=do_sort), 2, axis=-1)
+    else:
+        up = glu.up_proj(x, idx, sorted_indices=do_sort)
+        gate = glu.gate_proj(x, idx, sorted_indices=do_sort)
     x = glu.down_proj(glu.activation(up, gate), idx, sorted_indices=do_sort)
     if do_sort:
         x = _scatter_unsort(x, inv, indices.shape)

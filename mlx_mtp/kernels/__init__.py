@@ -63,9 +63,17 @@ def glu_experts(glu, x: mx.array, idx: mx.array) -> mx.array:
     k = idx.shape[-1]
     tokens = idx.size // k
     ids = _pairs(idx)
-    h = qmm.experts(x.reshape(tokens, x.shape[-1]), ids, glu.gate_proj, k, glu=True, second=glu.up_proj)
+    gate, up = gate_up(glu)
+    x = x.reshape(tokens, x.shape[-1])
+    h = (qmm.experts(x, ids, gate, k, glu=True, second=up) if up is not None
+         else _ffn.experts(x, None, ids, k, gate))  # the joined gate/up: the fused kernel, without a norm
     y = qmm.experts(h, ids, glu.down_proj, 1)
     return y.reshape(*idx.shape, y.shape[-1])
+
+
+def gate_up(glu) -> tuple:
+    """A SwitchGLU's (gate, up) projections, or (gate_up, None) where they are joined (`models.moe.SwitchGLU`)."""
+    return (glu.gate_up_proj, None) if "gate_up_proj" in glu else (glu.gate_proj, glu.up_proj)
 
 
 def _pairs(idx: mx.array) -> mx.array:
@@ -116,7 +124,7 @@ def experts_input(glu, x: mx.array, norm_w: Optional[mx.array], idx: mx.array, e
     if dispatch.experts_input(tokens, k, x.dtype, norm_w, glu):
         return None
     ids = _pairs(idx)
-    h = _ffn.experts(x.reshape(tokens, x.shape[-1]), norm_w, ids, k, glu.gate_proj, glu.up_proj, eps)
+    h = _ffn.experts(x.reshape(tokens, x.shape[-1]), norm_w, ids, k, *gate_up(glu), eps)
     y = qmm.experts(h, ids, glu.down_proj, 1)
     return y.reshape(*idx.shape, y.shape[-1])
 
@@ -141,5 +149,5 @@ def residual(x: mx.array, y: mx.array, w: mx.array, eps: float, scalar: Optional
     return _glue.residual(x, y, w, eps, scalar, second, w_next, route)
 
 
-__all__ = ["attention_input", "experts_input", "mlp_input", "residual", "router", "attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
+__all__ = ["attention_input", "experts_input", "mlp_input", "residual", "router", "attention", "dispatch", "gate_up", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
            "using"]

@@ -656,10 +656,8 @@ class Model(nn.Module):
             m = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", key + ".")
             if m and int(m.group(1)) >= first:
                 continue  # KV-shared layers ship unused K/V weights
-            if key.endswith("experts.gate_up_proj"):
-                gate, up = mx.split(value, 2, axis=-2)
-                out[key.replace("gate_up_proj", "switch_glu.gate_proj.weight")] = gate
-                out[key.replace("gate_up_proj", "switch_glu.up_proj.weight")] = up
+            if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate's rows, then up's, as `join` keeps them
+                out[key.replace("gate_up_proj", "switch_glu.gate_up_proj.weight")] = value
                 continue
             if key.endswith("experts.down_proj"):
                 key += ".weight"

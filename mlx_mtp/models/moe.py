@@ -10,11 +10,11 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from .. import kernels
 from .base import gelu_tanh_glu, rms_norm
-from .quantized import Linear, switch_glu
+from .quantized import Linear, gathered_glu, switch_glu
 
 # Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
 # its (tokens, top_k) expert ids, in layer order. None (the default) records nothing.
@@ -54,6 +54,20 @@ class GeGLU(nn.Module):
 
     def __call__(self, up, gate):
         return gelu_tanh_glu(gate, up)
+
+
+class SwitchGLU(nn.Module):
+    """mlx-lm's SwitchGLU with the experts' gate and up as one projection, `gate_up_proj` (E, 2I, H): each
+    expert's gate rows, then its up rows (`layout.join`; checkpoints keep them apart, or joined as HF's)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, activation: nn.Module):
+        super().__init__()
+        self.gate_up_proj = SwitchLinear(hidden, 2 * inter, experts, bias=False)
+        self.down_proj = SwitchLinear(inter, hidden, experts, bias=False)
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return gathered_glu(self, x, indices)
 
 
 class Experts(nn.Module):

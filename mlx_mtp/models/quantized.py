@@ -312,7 +312,7 @@ def adopt(model: nn.Module) -> nn.Module:
 
 def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     """(..., H) tokens through their experts `idx` (..., k) -> (..., k, H), in x's dtype."""
-    w = glu.gate_proj.weight
+    w = glu.down_proj.weight
     floating = mx.issubdtype(w.dtype, mx.floating)
     if fused_kernels():
         if floating:  # float32 where loading widened it for the backend
@@ -346,8 +346,12 @@ def gathered_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
         tokens = pairs = _row_index((ids.size,), 1)
     else:  # x: a row per token, h: a row per pair
         tokens, pairs = _row_index(ids.shape, k), _row_index(ids.shape, 1)
-    h = glu.activation(_gathered(glu.up_proj, x, tokens, ids, ordered),
-                       _gathered(glu.gate_proj, x, tokens, ids, ordered))
+    gate, up = kernels.gate_up(glu)
+    if up is None:  # the joined gate/up: one product, then its two halves
+        gate, up = mx.split(_gathered(gate, x, tokens, ids, ordered), 2, axis=-1)
+        h = glu.activation(up, gate)
+    else:
+        h = glu.activation(_gathered(up, x, tokens, ids, ordered), _gathered(gate, x, tokens, ids, ordered))
     y = _gathered(glu.down_proj, h, pairs, ids, ordered)
     if ordered:
         y = _scatter_unsort(y, inverse, idx.shape)
@@ -390,14 +394,20 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
     expert = _expert_gpu if gpu else _expert
-    weights = glu.up_proj.weight.shape[1] * x.shape[-1]  # one expert projection's
+    weights = glu.down_proj.weight.shape[1] * x.shape[-1]  # one expert projection's: I x H (down's H x I)
     streams = [mx.default_stream(mx.default_device())] if gpu else _streams_for(weights)
-    up, gate, down = (_ByExpert(p, experts.tolist()) for p in (glu.up_proj, glu.gate_proj, glu.down_proj))
+    used = experts.tolist()
+    gate, up = (None if p is None else _ByExpert(p, used) for p in kernels.gate_up(glu))
+    down = _ByExpert(glu.down_proj, used)
     outs = []
-    for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
+    for i, (e, start, end) in enumerate(zip(used, starts.tolist(), ends)):
         with mx.stream(streams[i % len(streams)]):
             xe = rows[start:end]
-            h = glu.activation(expert(up, e, xe, tokens), expert(gate, e, xe, tokens))
+            if up is None:  # the joined gate/up: one product, then its two halves
+                g, u = mx.split(expert(gate, e, xe, tokens), 2, axis=-1)
+                h = glu.activation(u, g)
+            else:
+                h = glu.activation(expert(up, e, xe, tokens), expert(gate, e, xe, tokens))
             outs.append(expert(down, e, h, tokens))
         if not gpu and tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
             mx.eval(outs[-len(streams):])  # a prompt chunk's dequantised experts: a round at a time
