@@ -5,6 +5,7 @@ several warps splitting K, up to 64 rows; experts shared by tokens; attention ov
 with slots that no query sees)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from apps.bench.kernels import switch_glu
@@ -76,6 +77,26 @@ def test_experts_match_the_reference_and_a_token_is_its_own_whoever_shares_its_e
     want = qmm.reference_experts(h, ids, glu.down_proj, 1).reshape(5, 2, -1)
     assert y.shape == (5, 2, 64) and close(y, want, 2e-2)
     assert mx.array_equal(y, rows_alone(lambda a, i: kernels.glu_experts(glu, a, i), x, idx))
+
+
+def test_experts_with_gate_and_up_joined_give_what_the_parts_give():
+    """The model's experts hold gate and up as one (E, 2I, H) projection (`models.moe.SwitchGLU`): the fused
+    gate/up kernel without a norm takes it, and the experts' outputs are the parts' (the same sums, in the
+    same order: bitwise)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_mtp.models import layout, moe
+
+    apart = switch_glu(6, 64, 32, 4, group=32)
+    joined = moe.SwitchGLU(64, 32, 6, moe.GeGLU())
+    nn.quantize(joined, group_size=32, bits=4)
+    prefix = "layers.0.experts.switch_glu."
+    parts = {prefix + k: v for k, v in tree_flatten(apart.parameters())}
+    joined.update(tree_unflatten([(k[len(prefix):], v) for k, v in layout.join(parts).items()]))
+    x = mx.random.normal((5, 64), key=mx.random.key(3)).astype(BF16)
+    idx = mx.array([[0, 3], [3, 1], [0, 5], [2, 3], [4, 0]], dtype=mx.int32)
+    y = kernels.glu_experts(joined, x, idx)
+    assert y.shape == (5, 2, 64) and mx.array_equal(y, kernels.glu_experts(apart, x, idx))
 
 
 def test_attention_matches_the_reference_over_several_splits_and_rows_do_not_see_each_other():
