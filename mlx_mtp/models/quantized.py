@@ -394,7 +394,7 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
     expert = _expert_gpu if gpu else _expert
-    weights = glu.down_proj.weight.shape[1] * x.shape[-1]  # one expert projection's: I x H (down's H x I)
+    weights = glu.down_proj.input_dims * glu.down_proj.output_dims  # one expert projection's
     streams = [mx.default_stream(mx.default_device())] if gpu else _streams_for(weights)
     used = experts.tolist()
     gate, up = (None if p is None else _ByExpert(p, used) for p in kernels.gate_up(glu))
