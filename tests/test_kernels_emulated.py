@@ -5,6 +5,7 @@ several warps splitting K, up to 64 rows; experts shared by tokens; attention ov
 with slots that no query sees)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from apps.bench.kernels import switch_glu
@@ -78,6 +79,26 @@ def test_experts_match_the_reference_and_a_token_is_its_own_whoever_shares_its_e
     assert mx.array_equal(y, rows_alone(lambda a, i: kernels.glu_experts(glu, a, i), x, idx))
 
 
+def test_experts_with_gate_and_up_joined_give_what_the_parts_give():
+    """The model's experts hold gate and up as one (E, 2I, H) projection (`models.moe.SwitchGLU`): the fused
+    gate/up kernel without a norm takes it, and the experts' outputs are the parts' (the same sums, in the
+    same order: bitwise)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_mtp.models import layout, moe
+
+    apart = switch_glu(6, 64, 32, 4, group=32)
+    joined = moe.SwitchGLU(64, 32, 6, moe.GeGLU())
+    nn.quantize(joined, group_size=32, bits=4)
+    prefix = "layers.0.experts.switch_glu."
+    parts = {prefix + k: v for k, v in tree_flatten(apart.parameters())}
+    joined.update(tree_unflatten([(k[len(prefix):], v) for k, v in layout.join(parts).items()]))
+    x = mx.random.normal((5, 64), key=mx.random.key(3)).astype(BF16)
+    idx = mx.array([[0, 3], [3, 1], [0, 5], [2, 3], [4, 0]], dtype=mx.int32)
+    y = kernels.glu_experts(joined, x, idx)
+    assert y.shape == (5, 2, 64) and mx.array_equal(y, kernels.glu_experts(apart, x, idx))
+
+
 def test_attention_matches_the_reference_over_several_splits_and_rows_do_not_see_each_other():
     B, Hq, Hkv, L, D, T = 2, 4, 2, 3, 256, 300  # 300 slots: two splits of 256
     key = mx.random.key(4)
@@ -144,7 +165,7 @@ def test_greedy_mtp_equals_plain_through_the_kernels_one_row_and_a_batch(monkeyp
     finally:
         mx.enable_compile()
     ran = {family for family, kernel in dispatch.decisions if kernel == dispatch.OURS}
-    fused = {"attention input", "MLP input", "experts input", "residual"}
+    fused = {"attention input", "MLP input", "experts input", "residual", "router"}
     assert ran == {"quantized matmul", "attention", *fused}, dispatch.summary()
 
 
@@ -227,7 +248,7 @@ def test_fused_layers_are_closer_to_float32_than_mlxs_ops_and_each_row_is_its_ow
             fused, ops = layers(target, "auto"), layers(target, "mlx")
     finally:
         mx.enable_compile()
-    assert {"attention input", "MLP input", "experts input", "residual"} <= ran, dispatch.summary()
+    assert {"attention input", "MLP input", "experts input", "residual", "router"} <= ran, dispatch.summary()
     assert mx.array_equal(whole, alone)
     error = lambda a, b: float(mx.max(mx.abs(a.astype(mx.float32) - b)) / mx.max(mx.abs(b)))  # noqa: E731
     for got, mlx, want in zip(fused, ops, truth):  # per layer: output, keys, values

@@ -1,9 +1,10 @@
-"""The fused decode/verify kernels of issue 42 (mlx_mtp/kernels: attn_input, ffn, glue):
+"""The fused decode/verify kernels of issue 42 (mlx_mtp/kernels: attn_input, ffn, glue, routing):
 compiled by NVRTC for Hopper and Ampere without spills, and run on the CPU by the emulator
 (tests/cuda_emu), each against its fp32 reference, every row bitwise the same alone as beside other
 rows (and unchanged when they change), at the shapes' edges: a K that ends inside a chunk, heads
 finished by different blocks, more than one tile of rows, K = V layers and q-only layers, joined and
-separate gate/up weights, an expert shared by tokens. Each compiled variant serves several checks."""
+separate gate/up weights, an expert shared by tokens, routers of several blocks of experts with tied
+scores, experts' outputs summed in the glue. Each compiled variant serves several checks."""
 
 import platform
 
@@ -12,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 from apps.bench.kernels import switch_glu
-from mlx_mtp.kernels import attn_input, ffn, glue, nvrtc, qmm
+from mlx_mtp.kernels import attn_input, ffn, glue, nvrtc, qmm, routing
 from mlx_mtp.kernels.source import use_factory
 from mlx_mtp.models.quantized import QuantizedLinear
 
@@ -62,9 +63,16 @@ def mlp_variant(dtype, bits, mt, norm, joined, experts=False):
                                   ("DEPTH", qmm.DEPTH), *more, ("NORM", norm), ("JOINED", joined)]
 
 
-def residual_variant(dtype, h, two, scalar, after):
-    return glue._KERNEL, [dtype] * 8 + [mx.float32], [dtype, dtype], [
-        ("T", dtype), ("S", dtype), ("H", h), ("TWO", two), ("SCALAR", scalar), ("NEXT", after)]
+def residual_variant(dtype, h, two, scalar, after, top_k=0):
+    return glue._KERNEL, [dtype] * 4 + [mx.float32] + [dtype] * 4 + [mx.float32], [dtype, dtype], [
+        ("T", dtype), ("S", dtype), ("H", h), ("TWO", two), ("TOP_K", top_k), ("SCALAR", scalar), ("NEXT", after)]
+
+
+def router_variant(dtype, bits, mt, experts, top_k):
+    ins = [dtype, dtype, mx.uint32, dtype, dtype, dtype, mx.float32]
+    return routing._KERNEL, ins, [mx.int32, mx.float32, mx.float32, mx.int32], [
+        ("T", dtype), ("BITS", bits), ("GROUP", 64), ("MT", mt), ("NW", 8), ("DEPTH", qmm.DEPTH), ("E", experts),
+        ("TOP_K", top_k)]
 
 
 VARIANTS = [  # the released shapes' (31B: head_dim 256 / 512, 32 query heads; 26B-A4B's experts) and the edges
@@ -74,6 +82,8 @@ VARIANTS = [  # the released shapes' (31B: head_dim 256 / 512, 32 query heads; 2
     mlp_variant(F16, 8, 2, False, False), mlp_variant(BF16, 4, 1, True, True, experts=True),
     mlp_variant(BF16, 4, ffn.MAX_TILES, True, False, experts=True),
     residual_variant(BF16, 5376, False, False, False), residual_variant(BF16, 2816, True, True, True),
+    residual_variant(BF16, 2816, True, True, False, top_k=8),  # the 26B-A4B's: its 8 experts summed
+    router_variant(BF16, 8, 1, 128, 8), router_variant(BF16, 8, 8, 128, 8), router_variant(F16, 4, 2, 48, 2),
 ]
 
 
@@ -188,6 +198,50 @@ def test_residual_glue_matches_its_reference_row_by_row(emulator):
     assert mx.array_equal(h1, h[1:2]) and mx.array_equal(hn1, hn[1:2])
 
 
+@emulated
+def test_router_matches_its_reference_breaks_ties_by_expert_and_every_row_is_its_own(emulator):
+    """48 experts (three blocks of 16: the last block done picks), 4 of them per row, 9 rows (two tiles);
+    experts 5 and 30 have the same weights, and every row leans towards them: a tie, 5 first."""
+    H, E, k = 192, 48, 4
+    lean = normal((H,), 40, F32)
+    w = mx.random.normal((E, H), key=mx.random.key(41)) / H**0.5
+    w = mx.concatenate([w[:5], lean[None] / 4, w[6:30], lean[None] / 4, w[31:]])
+    lin = nn.Linear(H, E, bias=False)
+    lin.weight = w.astype(BF16)
+    proj = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=8)
+    proj.__class__ = QuantizedLinear
+    scale, per_expert = normal((H,), 42, BF16, 0.2) + 1, normal((E,), 43, BF16, 0.2) + 1
+    x = (normal((9, H), 44, F32, 2.0) + 2 * lean).astype(BF16)
+    ids, weights = routing.router(x, scale, proj, per_expert, k, EPS)
+    want_ids, want_weights = routing.reference(x, scale, proj, per_expert, k, EPS)
+    assert ids.shape == weights.shape == (9, k) and ids.dtype == mx.int32 and weights.dtype == F32
+    assert mx.array_equal(ids, want_ids) and close(weights, want_weights, 1e-2)
+    assert all(row[:2] == [5, 30] for row in ids.tolist())  # tied: the lower expert first
+    assert len(set(ids[:, 2:].reshape(-1).tolist())) > 3  # the rest differ from row to row
+    for i in range(9):
+        alone = routing.router(x[i : i + 1], scale, proj, per_expert, k, EPS)
+        assert all(mx.array_equal(a[0], b[i]) for a, b in zip(alone, (ids, weights))), i
+    other = routing.router(mx.concatenate([x[:1], x[1:] * 3 + 1]), scale, proj, per_expert, k, EPS)
+    assert mx.array_equal(other[0][0], ids[0]) and mx.array_equal(other[1][0], weights[0])
+
+
+@emulated
+def test_the_glue_sums_the_experts_outputs_with_their_weights_row_by_row(emulator):
+    M, k, H = 3, 4, 256
+    x, y = (normal((M, H), s, BF16, 2.0) for s in (45, 46))
+    y2 = normal((M, k, H), 47, BF16, 2.0)
+    route = mx.softmax(normal((M, k), 48, F32), axis=-1)
+    w, w1, w2 = (normal((H,), s, BF16, 0.3) + 1 for s in (49, 50, 51))
+    scalar = mx.array([0.5], dtype=BF16)
+    h = glue.residual(x, y, w, EPS, scalar, (w1, y2, w2), route=route)
+    assert h.shape == (M, H) and close(h, glue.reference(x, y, w, EPS, scalar, (w1, y2, w2), route=route), 1e-2)
+    for i in range(M):
+        one = glue.residual(x[i : i + 1], y[i : i + 1], w, EPS, scalar, (w1, y2[i : i + 1], w2), route=route[i : i + 1])
+        assert mx.array_equal(one, h[i : i + 1]), i
+    unweighted = glue.residual(x, y, w, EPS, scalar, (w1, y2[:, 0], w2))  # the weights do count
+    assert not mx.array_equal(unweighted, h)
+
+
 # ---- the references are the model's math (its modules on MLX's ops, all in float32, so that only a ----------
 # ---- difference of math, not of rounding, shows) -------------------------------------------------------------
 F32 = mx.float32
@@ -259,6 +313,31 @@ def test_the_mlp_and_residual_references_are_the_models_math():
     assert close(h, want_h, 1e-5) and close(hn, want_hn, 1e-5)
 
 
+def test_the_router_and_weighted_sum_references_are_the_models_math():
+    """The router's reference against `moe.Router` in float32 (MLX's argpartition gives the experts in no
+    set order: compared by expert), and the glue's weighted sum against `moe.weighted`."""
+    from mlx_mtp.models import moe
+    from mlx_mtp.models.base import force_fused, rms_norm
+
+    cfg = type("Config", (), dict(hidden_size=128, num_experts=32, top_k_experts=4, rms_norm_eps=1e-6))
+    layer = moe.Router(cfg)
+    layer.scale, layer.per_expert_scale = normal((128,), 52, F32, 0.3) + 1, normal((32,), 53, F32, 0.3) + 1
+    nn.quantize(layer, group_size=64, bits=8)
+    x = normal((5, 128), 54, F32, 2.0)
+    for fused in (False, True):
+        with force_fused(fused):
+            idx, weights = layer(x)
+        want_ids, want_weights = routing.reference(x, layer.scale, layer.proj, layer.per_expert_scale, 4, 1e-6)
+        order = mx.argsort(idx, axis=-1)
+        assert mx.array_equal(mx.take_along_axis(idx, order, axis=-1).astype(mx.int32), mx.sort(want_ids, axis=-1))
+        want = mx.take_along_axis(want_weights, mx.argsort(want_ids, axis=-1), axis=-1)
+        assert close(mx.take_along_axis(weights, order, axis=-1), want, 1e-5)
+    y, y2, w, w1, w2 = normal((5, 128), 55, F32), normal((5, 4, 128), 56, F32), *(normal((128,), s, F32) for s in (57, 58, 59))
+    with force_fused(True):
+        h = x + rms_norm(rms_norm(y, w1, 1e-6) + rms_norm(moe.weighted(y2, weights), w2, 1e-6), w, 1e-6)
+    assert close(h, glue.reference(x, y, w, 1e-6, None, (w1, y2, w2), route=weights), 1e-5)
+
+
 # ---- dispatch on a faked CUDA device ---------------------------------------------------------------------------
 
 
@@ -281,9 +360,19 @@ def test_the_fused_entry_points_take_steps_leave_prompts_and_the_switch_to_mlx(m
     assert kernels.mlp_input(step, norm_w, gate_up).shape == (4, 8)
     assert kernels.residual(step, step, norm_w, EPS) == "ours"
     assert kernels.residual(step, step, norm_w, EPS, scalar=mx.ones((1,))) is None  # float32: MLX's would promote
+    experts = (norm_w, mx.zeros((4, 2, 128), BF16), norm_w)
+    assert kernels.residual(step, step, norm_w, EPS, second=experts, route=mx.ones((4, 2))) == "ours"
+    assert kernels.residual(step, step, norm_w, EPS, second=experts, route=mx.ones((4, 2), BF16)) is None
+    proj, expert_scale = linear(16, 128, bits=8), mx.ones((16,), BF16)
+    monkeypatch.setattr(routing, "router", lambda *a: "ours")
+    assert kernels.router(step, norm_w, proj, expert_scale, 2, EPS) == "ours"
+    assert kernels.router(prompt, norm_w, proj, expert_scale, 2, EPS) is None
+    assert kernels.router(step, norm_w, proj, expert_scale, 17, EPS) is None  # more than its experts
     with kernels.using("mlx"):
         assert kernels.attention_input(step, *args) is None and kernels.mlp_input(step, norm_w, gate_up) is None
         assert kernels.residual(step, step, norm_w, EPS) is None
+        assert kernels.router(step, norm_w, proj, expert_scale, 2, EPS) is None
+    assert dispatch.decisions[("router", "MLX's (top 17 of 16 experts)")] == 1
     assert dispatch.decisions[("attention input", dispatch.OURS)] == 1
     assert dispatch.decisions[("attention input", f"MLX's ({qmm.MAX_ROWS + 1} rows)")] == 1
     assert dispatch.decisions[("MLP input", "MLX's (MLX_MTP_KERNELS=mlx)")] == 1

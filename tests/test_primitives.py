@@ -4,7 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_mtp.runtime import jit
 from mlx_mtp.selftest import primitives
@@ -77,24 +77,102 @@ def test_the_cuda_path_stands_in_mlx_mtps_kernels():
     # the products on mlx_mtp's kernels instead of MLX's quantized matmuls, the norms, RoPE, GLUs and
     # residual adds fused into issue 42's kernels
     assert cuda["QuantizedMatmul"] < metal["QuantizedMatmul"]
-    assert {"attention input", "MLP input", "experts input", "residual"} <= ours
+    assert {"attention input", "MLP input", "experts input", "residual", "router"} <= ours
     assert sum(cuda.values()) < sum(metal.values())
 
 
-def test_joined_checkpoints_and_the_checkpoint_layout_load_the_same(dense):
-    """sanitize joins q/k/v and gate/up (idempotent); unjoin writes the checkpoint's layout back."""
-    config = {"model_type": "gemma4_text", **dense.target.config.__dict__}
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_moe_layer_on_the_cuda_path_is_ten_kernels_and_its_kv_writes(rows):
+    """Issue 42's target, <= 14 nodes an MoE layer: attention's input, attention, o, the glue, the MLP's input
+    and down, the router (norm, scores, top-k, softmax, expert scales), the experts' input and down, the glue
+    with the experts' weighted sum; and the K and V writes. Nothing is left to MLX's ops (the router's top-k
+    and the weighted sum were 17 nodes)."""
+    target = quantized_pair().target
+    cache = primitives.filled_cache(target, rows, 16)
+    step = cache.begin(1)
+    x = mx.zeros((rows, target.config.hidden_size), mx.bfloat16)
+    mx.eval(step.positions, step.masks, x)
+    with primitives.path("cuda"):
+        for layer in target.model.layers:
+            h, kv = layer(x, step)
+            assert primitives.node_kinds(h, *kv) == {primitives.STAND_IN: 10, "DynamicSliceUpdate": 2}
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("tokens,fewer", [(3, 8), (40, 3)])  # 6 pairs; 80: mlx-lm sorts the rows by expert
+def test_the_gpus_experts_are_mlx_lms_switch_glu_bitwise_in_fewer_nodes(bits, tokens, fewer):
+    """MLX's gather products with their row indices handed in as constants: the same products of the same rows
+    (the output bitwise), without the Arange that makes them (and its reshape and broadcast, rows unsorted)."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_mtp.models import moe
+    from mlx_mtp.models.quantized import gathered_glu
+
+    glu = SwitchGLU(64, 32, 6, moe.GeGLU())
+    for name, p in (("gate_proj", glu.gate_proj), ("up_proj", glu.up_proj), ("down_proj", glu.down_proj)):
+        p.weight = mx.random.normal(p.weight.shape, key=mx.random.key(len(name))) / 8
+    if bits:
+        nn.quantize(glu, group_size=32, bits=bits)
+    dtype = mx.bfloat16 if bits else mx.float32  # (MLX's CPU gather_mm takes float32 only)
+    x = mx.random.normal((tokens, 64), key=mx.random.key(7)).astype(dtype)
+    glu.set_dtype(dtype)
+    idx = mx.array(np.random.default_rng(tokens).integers(0, 6, (tokens, 2)), dtype=mx.uint32)
+    mx.eval(glu.parameters(), x, idx)
+    want, got = glu(x, idx), gathered_glu(glu, x, idx)
+    assert total(primitives.node_kinds(want)) - total(primitives.node_kinds(got)) == fewer
+    assert "Arange" not in primitives.node_kinds(got)
+    assert got.shape == (tokens, 2, 64) and mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_joined_checkpoints_and_the_checkpoint_layout_load_the_same(variant):
+    """sanitize joins q/k/v, gate/up and the experts' gate/up (idempotent); unjoin writes the checkpoint's
+    layout back."""
+    target = tiny_pair(variant, seed=5).target
+    config = {"model_type": "gemma4_text", **target.config.__dict__}
     config.pop("per_layer_config", None)
-    params = dict(tree_flatten(dense.target.parameters()))
-    layout = gemma4.unjoin(params, dense.target.model.layers)
+    params = dict(tree_flatten(target.parameters()))
+    layout = gemma4.unjoin(params, target.model.layers)
     assert "model.layers.0.self_attn.q_proj.weight" in layout and "model.layers.0.mlp.up_proj.weight" in layout
+    if variant == "moe":
+        glu = "model.layers.0.experts.switch_glu."
+        cfg = target.config
+        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        assert layout[glu + "gate_proj.weight"].shape == layout[glu + "up_proj.weight"].shape == (E, I, H)
     assert not any("qkv_proj" in k or "gate_up_proj" in k for k in layout)
     rejoined = gemma4.join(layout)
     assert rejoined.keys() == params.keys() and all(mx.array_equal(rejoined[k], params[k]) for k in params)
     assert gemma4.join(rejoined).keys() == params.keys()  # idempotent
     ids = mx.array([[3, 7, 1, 8, 2]])
     old = model_from_weights(config, layout)
-    assert mx.array_equal(old(ids).logits, dense.target(ids).logits)
+    assert mx.array_equal(old(ids).logits, target(ids).logits)
+
+
+@pytest.mark.parametrize("fused", [False, True])  # the CPU's experts grouped by expert; MLX's gather products
+def test_the_experts_joined_gate_up_give_their_parts_outputs_bitwise(fused):
+    """Each expert's gate rows then its up rows in one (E, 2I, H) projection (quantized: groups along the input
+    axis, so the join is exact): the experts' outputs bitwise those of mlx-lm's SwitchGLU with the parts."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlx_mtp.models import layout, moe
+    from mlx_mtp.models.base import force_fused
+    from mlx_mtp.models.quantized import adopt, switch_glu
+
+    apart, joined = SwitchGLU(64, 32, 6, moe.GeGLU()), moe.SwitchGLU(64, 32, 6, moe.GeGLU())
+    for i, p in enumerate((apart.gate_proj, apart.up_proj, apart.down_proj)):
+        p.weight = mx.random.normal(p.weight.shape, key=mx.random.key(20 + i)) / 8
+    for glu in (apart, joined):
+        nn.quantize(glu, group_size=32, bits=4)
+        adopt(glu)
+    prefix = "layers.0.experts.switch_glu."  # as a checkpoint names them
+    parts = {prefix + k: v for k, v in tree_flatten(apart.parameters())}
+    joined.update(tree_unflatten([(k[len(prefix):], v) for k, v in layout.join(parts).items()]))
+    assert joined.gate_up_proj.weight.shape[:2] == (6, 64)
+    x = mx.random.normal((5, 64), key=mx.random.key(30)).astype(mx.bfloat16)
+    idx = mx.array(np.random.default_rng(1).integers(0, 6, (5, 2)), dtype=mx.uint32)
+    with force_fused(fused):
+        want, got = switch_glu(apart, x, idx), switch_glu(joined, x, idx)
+    assert got.shape == (5, 2, 64) and mx.array_equal(got, want)
 
 
 def test_a_joined_quantized_product_is_its_parts_bitwise():

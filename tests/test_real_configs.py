@@ -243,7 +243,7 @@ def test_26b_a4b_geometry():
     assert built(MOE).model.layers[4].self_attn.heads == (16, 8, 8)
     assert layer.self_attn.qkv_proj.weight.shape == (16 * 512 + 2 * 512, 2816)
     glu = layer.experts.switch_glu
-    assert glu.gate_proj.weight.shape == glu.up_proj.weight.shape == (128, 704, 2816)
+    assert glu.gate_up_proj.weight.shape == (128, 2 * 704, 2816)  # the experts' gate and up joined at load
     assert glu.down_proj.weight.shape == (128, 2816, 704)
     assert layer.router.proj.weight.shape == (128, 2816)
     assert layer.mlp.down_proj.weight.shape == (2816, 2112)
@@ -497,7 +497,7 @@ def test_26b_record_puts_mlp_and_router_at_8_bits(name):
         for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.router.proj):
             assert _quantized(m) == (8, 64, "affine")
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                  layer.experts.switch_glu.gate_proj, layer.experts.switch_glu.down_proj):
+                  layer.experts.switch_glu.gate_up_proj, layer.experts.switch_glu.down_proj):
             assert _quantized(m) == (4, 64, "affine")
     assert _quantized(model.model.embed_tokens) == (4, 64, "affine")
 

@@ -37,7 +37,7 @@ from mlx_mtp.decode.drafters import MTPProposer
 from mlx_mtp.runtime.memory import BACKENDS, Device, nbytes
 from mlx_mtp.decode.speculative import K_MAX
 from mlx_mtp.selftest.warm import Cycle, cycling
-from mlx_mtp.models import gemma4
+from mlx_mtp.models import moe
 
 from . import inmemory, peers
 from .env import median, time_fn
@@ -108,12 +108,12 @@ def plain_run(target, prompts: list, n: int) -> dict:
 def union_per_layer(target, prompts: list, n: int) -> list:
     """Distinct experts each MoE layer reads per decode step of these rows (a separate run: the
     router record keeps the forward uncompiled)."""
-    gemma4.ROUTER_RECORD = []
+    moe.ROUTER_RECORD = []
     try:
         decode_run(JoinTogether(target), prompts, n)
-        record = gemma4.ROUTER_RECORD
+        record = moe.ROUTER_RECORD
     finally:
-        gemma4.ROUTER_RECORD = None
+        moe.ROUTER_RECORD = None
     unions = expert_unions(record, target.config.num_hidden_layers, len(prompts))
     return np.mean(unions, axis=0).round(2).tolist()
 

@@ -29,7 +29,7 @@ from convert.convert import plan, write_weights
 from mlx_mtp.cache.kv import FULL
 from mlx_mtp.decode.drafters import MTPProposer
 from mlx_mtp.loading import load
-from mlx_mtp.models import gemma4
+from mlx_mtp.models import moe
 from mlx_mtp.models.base import cpu_stream_count, using_streams
 from mlx_mtp.models.quantized import dequantize_rows
 from mlx_mtp.decode.speculative import MAX_ROLLBACK
@@ -148,7 +148,7 @@ def uniform_union(experts: int, top_k: int, tokens: int) -> float:
 
 def expert_unions(record: list, layers: int, tokens: int) -> list:
     """Distinct experts per MoE layer in each forward of `tokens` tokens (not the prompts'), from
-    `gemma4.ROUTER_RECORD`."""
+    `moe.ROUTER_RECORD`."""
     per_forward = [record[i: i + layers] for i in range(0, len(record), layers)]
     return [[len(np.unique(np.array(idx))) for idx in forward] for forward in per_forward
             if forward[0].size == tokens * forward[0].shape[-1]]
@@ -160,10 +160,10 @@ def measure_plain(target, prompts: list, batches: list, tokens: dict, log) -> di
     expert unions of its forwards."""
     cfg, out = target.config, {}
     for B in batches:
-        gemma4.ROUTER_RECORD = [] if cfg.enable_moe_block else None
+        moe.ROUTER_RECORD = [] if cfg.enable_moe_block else None
         run = decode_run(JoinTogether(target), prompts[:B], tokens[B])
-        unions = expert_unions(gemma4.ROUTER_RECORD or [], cfg.num_hidden_layers, B)
-        gemma4.ROUTER_RECORD = None
+        unions = expert_unions(moe.ROUTER_RECORD or [], cfg.num_hidden_layers, B)
+        moe.ROUTER_RECORD = None
         step = median(run["step_seconds"])
         out[B] = figure(tok_s=B / step, step_s=step, mean_tok_s=run["decoded"] / run["seconds"],
                         tokens=run["tokens"], decoded=run["decoded"],

@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_mtp.kernels import attn_input, ffn, glue
+from mlx_mtp.kernels import attn_input, ffn, glue, routing
 from mlx_mtp.models.quantized import QuantizedLinear
 
 BF16 = mx.bfloat16
@@ -24,14 +24,17 @@ EPS = 1e-6
 ATTENTION = [("31b sliding", 5376, 32, 16, 256, 2), ("31b full (k = v)", 5376, 32, 4, 512, 1)]
 MLP = [("31b mlp", 5376, 21504), ("26b-a4b dense mlp", 2816, 2112)]
 EXPERTS = [("26b-a4b experts", 2816, 704, 128, 8)]
+ROUTERS = [("26b-a4b router", 2816, 128, 8)]  # (name, hidden, experts, top-k): 8-bit as the product's conversions
+MOE_GLUE = [(2816, 8)]  # (hidden, top-k): the residual glue with the experts' weighted sum
 SMOKE = dict(attention=[("tiny", 256, 2, 1, 256, 2), ("tiny k=v", 256, 2, 1, 512, 1)], mlp=[("tiny mlp", 256, 512)],
-             experts=[("tiny experts", 256, 64, 8, 2)], rows=(1, 3, 9), residual=[256])
+             experts=[("tiny experts", 256, 64, 8, 2)], routers=[("tiny router", 256, 16, 2)], rows=(1, 3, 9),
+             residual=[256], moe_glue=[(256, 2)])
 
 
-def quantized(n: int, k: int, seed: int) -> QuantizedLinear:
-    layer = QuantizedLinear(k, n, bias=False, group_size=64, bits=4)
+def quantized(n: int, k: int, seed: int, bits: int = 4) -> QuantizedLinear:
+    layer = QuantizedLinear(k, n, bias=False, group_size=64, bits=bits)
     w = mx.random.normal((n, k), key=mx.random.key(seed)) / k**0.5
-    layer.weight, s, b = mx.quantize(w, group_size=64, bits=4)
+    layer.weight, s, b = mx.quantize(w, group_size=64, bits=bits)
     layer.scales, layer.biases = s.astype(BF16), b.astype(BF16)
     mx.eval(layer.parameters())
     return layer
@@ -68,8 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes")
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args(argv)
-    shapes = SMOKE if args.smoke else dict(attention=ATTENTION, mlp=MLP, experts=EXPERTS, rows=(1, 4, 8, 32),
-                                           residual=[5376, 2816])
+    shapes = SMOKE if args.smoke else dict(attention=ATTENTION, mlp=MLP, experts=EXPERTS, routers=ROUTERS,
+                                           rows=(1, 4, 8, 32), residual=[5376, 2816], moe_glue=MOE_GLUE)
     a = mx.random.normal((64 << 20,))  # 256 MB: the copy bandwidth
     copy = 2 * a.nbytes / timed(lambda: a + 1, args.repeats)
     print(f"device {mx.default_device()}, copy {copy / 1e9:.0f} GB/s", flush=True)
@@ -122,6 +125,30 @@ def main(argv=None) -> int:
             used = len(set(ids.tolist())) * per_expert
             report(name, M, err, alone, timed(lambda: ffn.experts(x, norm_w, ids, top_k, gate_up, None, EPS),
                                               args.repeats), used)
+    for name, H, E, top_k in shapes["routers"]:
+        proj = quantized(E, H, 19, bits=8)
+        scale, per_expert = normal((H,), 20, 0.3) + 1, normal((E,), 21, 0.3) + 1
+        wbytes = proj.weight.nbytes + proj.scales.nbytes * 2
+        for M in shapes["rows"]:
+            x = normal((M, H), 22, 3.0)
+            run = lambda xs: routing.router(xs, scale, proj, per_expert, top_k, EPS)  # noqa: E731
+            (ids, weights), (want_ids, want_weights) = run(x), routing.reference(x, scale, proj, per_expert, top_k, EPS)
+            err = error(weights, want_weights) if mx.array_equal(ids, want_ids) else 1.0  # other experts: a failure
+            last = run(x[M - 1 :])
+            alone = mx.array_equal(last[0], ids[M - 1 :]) and mx.array_equal(last[1], weights[M - 1 :])
+            report(name, M, err, alone, timed(lambda: run(x), args.repeats), wbytes)
+    for H, top_k in shapes["moe_glue"]:
+        for M in shapes["rows"]:
+            x, y, y2 = normal((M, H), 23, 2.0), normal((M, H), 24), normal((M, top_k, H), 25)
+            route = mx.softmax(mx.random.normal((M, top_k), key=mx.random.key(26)), axis=-1)
+            w, w1, w2 = normal((H,), 27, 0.3) + 1, normal((H,), 28, 0.3) + 1, normal((H,), 29, 0.3) + 1
+            more = dict(scalar=mx.array([0.5], BF16), second=(w1, y2, w2), route=route)
+            h = glue.residual(x, y, w, EPS, **more)
+            one = glue.residual(x[M - 1 :], y[M - 1 :], w, EPS, more["scalar"], (w1, y2[M - 1 :], w2),
+                                route=route[M - 1 :])
+            report(f"residual {H} + {top_k} experts", M, error(h, glue.reference(x, y, w, EPS, **more)),
+                   mx.array_equal(one, h[M - 1 :]), timed(lambda: glue.residual(x, y, w, EPS, **more), args.repeats),
+                   0.0, tol=1e-2)
     for H in shapes["residual"]:
         for M in shapes["rows"]:
             x, y, y2 = normal((M, H), 13, 2.0), normal((M, H), 14), normal((M, H), 15)

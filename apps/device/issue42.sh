@@ -5,7 +5,8 @@
 #   1. suite: 31B plain B=1 (fraction of the copy roofline), oracle p=0.8 MTP / plain K=1..6 and auto at B=1,
 #      greedy MTP == plain; the 26B-A4B at B=1 and 8 (aggregate B=8 / B=1, K=3 round in plain steps); the
 #      31B's auto at B=4 and 8 beside fixed K=3
-#   2. fused: issue 42's fused kernels at the released shapes (correct, rows their own, time, % of copy)
+#   2. fused: issue 42's fused kernels at the released shapes, the 26B-A4B's router and MoE glue among them
+#      (correct, rows their own, time, % of copy)
 #   3. kernels: the quantized product's weight stream at the 31B's shapes (% of copy)
 #   4. env: MLX_USE_CUDA_GRAPHS / MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER on the tiny dense pair's steps
 # Logs, JSON and MLX's compiled-kernel cache under $OUT.   run: bash apps/device/issue42.sh   (carry: .gpu, .ptx)

@@ -4,7 +4,7 @@ row computed as if alone, so a verify costs about one decode step and equals the
 
 One module per kernel family, the CUDA source beside it (`qmm`: quantized matmuls and MoE experts,
 `sdpa`: attention; issue 42's fused ones, each a few of a layer's ops in one kernel: `attn_input`,
-`ffn`, `glue`); `dispatch` decides which product takes which kernel and says why. The entry points
+`ffn`, `glue`, `routing`); `dispatch` decides which product takes which kernel and says why. The entry points
 below return None where MLX's kernel is the one to run (at once off CUDA): models call the fused ones on
 every backend, the others on the GPU path.
 """
@@ -18,6 +18,7 @@ import mlx.core as mx
 from . import attn_input as _attn_input
 from . import ffn as _ffn
 from . import glue as _glue
+from . import routing as _routing
 from . import dispatch, qmm, sdpa
 from .dispatch import mode, using
 
@@ -61,10 +62,25 @@ def glu_experts(glu, x: mx.array, idx: mx.array) -> mx.array:
     with the activation, then down."""
     k = idx.shape[-1]
     tokens = idx.size // k
-    ids = idx.reshape(-1).astype(mx.int32)
-    h = qmm.experts(x.reshape(tokens, x.shape[-1]), ids, glu.gate_proj, k, glu=True, second=glu.up_proj)
+    ids = _pairs(idx)
+    gate, up = gate_up(glu)
+    x = x.reshape(tokens, x.shape[-1])
+    h = (qmm.experts(x, ids, gate, k, glu=True, second=up) if up is not None
+         else _ffn.experts(x, None, ids, k, gate))  # the joined gate/up: the fused kernel, without a norm
     y = qmm.experts(h, ids, glu.down_proj, 1)
     return y.reshape(*idx.shape, y.shape[-1])
+
+
+def gate_up(glu) -> tuple:
+    """A SwitchGLU's (gate, up) projections, or (gate_up, None) where they are joined (`models.moe.SwitchGLU`)."""
+    return (glu.gate_up_proj, None) if "gate_up_proj" in glu else (glu.gate_proj, glu.up_proj)
+
+
+def _pairs(idx: mx.array) -> mx.array:
+    """The (token, expert) pairs of idx (..., k) as the experts' kernels take them: (tokens, k) int32 (no
+    node where idx is that already)."""
+    k = idx.shape[-1]
+    return idx.reshape(idx.size // k, k).astype(mx.int32)  # (an explicit shape: -1 always makes a node)
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, mask: Optional[mx.array],
@@ -107,21 +123,31 @@ def experts_input(glu, x: mx.array, norm_w: Optional[mx.array], idx: mx.array, e
     tokens = idx.size // k
     if dispatch.experts_input(tokens, k, x.dtype, norm_w, glu):
         return None
-    ids = idx.reshape(-1).astype(mx.int32)
-    h = _ffn.experts(x.reshape(tokens, x.shape[-1]), norm_w, ids, k, glu.gate_proj, glu.up_proj, eps)
+    ids = _pairs(idx)
+    h = _ffn.experts(x.reshape(tokens, x.shape[-1]), norm_w, ids, k, *gate_up(glu), eps)
     y = qmm.experts(h, ids, glu.down_proj, 1)
     return y.reshape(*idx.shape, y.shape[-1])
 
 
-def residual(x: mx.array, y: mx.array, w: mx.array, eps: float, scalar: Optional[mx.array] = None,
-             second: Optional[tuple] = None, w_next: Optional[mx.array] = None):
-    """(x + rms(y) * w) * scalar in one kernel (`second` = (w1, y2, w2): y is rms(y) * w1 + rms(y2) * w2),
-    and with `w_next` also rms(h) * w_next: h or (h, hn). None: MLX's ops."""
-    more = (*(second or ()), w_next)
-    if dispatch.residual(x, y, w, scalar, *more):
+def router(x: mx.array, scale: mx.array, proj, per_expert: mx.array, top_k: int, eps: float) -> Optional[tuple]:
+    """An MoE router in one kernel: (ids (M, top_k) int32, weights (M, top_k) float32) of x (M, H), the
+    experts of rms(x) * scale / sqrt(H) through `proj` with the top_k scores, in order of score, weighted by
+    a softmax over those times `per_expert` (E,). None: MLX's ops."""
+    if dispatch.router(x, scale, proj, per_expert, top_k):
         return None
-    return _glue.residual(x, y, w, eps, scalar, second, w_next)
+    return _routing.router(x, scale, proj, per_expert, top_k, eps)
 
 
-__all__ = ["attention_input", "experts_input", "mlp_input", "residual", "attention", "dispatch", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
+def residual(x: mx.array, y: mx.array, w: mx.array, eps: float, scalar: Optional[mx.array] = None,
+             second: Optional[tuple] = None, w_next: Optional[mx.array] = None, route: Optional[mx.array] = None):
+    """(x + rms(y) * w) * scalar in one kernel (`second` = (w1, y2, w2): y is rms(y) * w1 + rms(y2) * w2;
+    with `route` (M, k), y2 (M, k, H) is summed with those weights first), and with `w_next` also
+    rms(h) * w_next: h or (h, hn). None: MLX's ops."""
+    more = (*(second or ()), w_next)
+    if dispatch.residual(x, y, w, scalar, *more, route=route):
+        return None
+    return _glue.residual(x, y, w, eps, scalar, second, w_next, route)
+
+
+__all__ = ["attention_input", "experts_input", "mlp_input", "residual", "router", "attention", "dispatch", "gate_up", "glu_experts", "linear", "matmul", "mode", "prefill_experts", "qmm", "switch_glu",
            "using"]

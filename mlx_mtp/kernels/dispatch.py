@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
-from . import attn_input, ffn, glue, qmm, sdpa
+from . import attn_input, ffn, glue, qmm, routing, sdpa
 
 
 SWITCH = "MLX_MTP_KERNELS"
@@ -80,7 +80,7 @@ def quantized(rows: int, x_dtype: mx.Dtype, layer) -> str:
 
 def experts(tokens: int, top_k: int, x_dtype: mx.Dtype, glu) -> str:
     """Why a SwitchGLU's experts over `tokens` tokens keep MLX's gather_qmm ('' if they take ours)."""
-    projections = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    projections = _projections(glu)
     reason = ""
     if not 0 < tokens <= qmm.MAX_ROWS or tokens * top_k > qmm.MAX_PAIRS:
         reason = f"{tokens} tokens"
@@ -94,14 +94,21 @@ def experts(tokens: int, top_k: int, x_dtype: mx.Dtype, glu) -> str:
         reason = next((r for p in projections
                        if (r := qmm.supports(x_dtype, p["weight"], p["scales"], p.get("biases"), p.group_size,
                                              p.bits, p.mode))), "")
+    if not reason and "gate_up_proj" in glu:  # the joined gate/up take the fused kernel (ffn), without a norm
+        reason = ffn.supports(tokens, x_dtype, None, glu.gate_up_proj)
     return _why_not("MoE experts", reason)
+
+
+def _projections(glu) -> tuple:
+    """A SwitchGLU's projections: gate, up and down, or the joined gate/up and down."""
+    return (glu.gate_up_proj, glu.down_proj) if "gate_up_proj" in glu else (glu.gate_proj, glu.up_proj, glu.down_proj)
 
 
 def prefill_experts(tokens: int, glu) -> str:
     """Why a SwitchGLU's experts over a prompt chunk of `tokens` keep MLX's gather_qmm ('' where they
     go by expert)."""
     reason = "" if tokens > qmm.MAX_ROWS else f"{tokens} tokens (a decode step)"
-    if not reason and any("scales" not in p for p in (glu.gate_proj, glu.up_proj, glu.down_proj)):
+    if not reason and any("scales" not in p for p in _projections(glu)):
         reason = "unquantized experts"
     return _why_not("MoE experts by expert (prompt)", reason)
 
@@ -141,7 +148,8 @@ def _experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[
     reason = "" if tokens * top_k <= qmm.MAX_PAIRS else f"{tokens} tokens"
     if not reason and getattr(glu.activation, "kind", None) != "gelu_tanh":
         reason = f"activation {type(glu.activation).__name__}"
-    reason = reason or ffn.supports(tokens, x_dtype, norm_w, glu.gate_proj, glu.up_proj)
+    gate_up = (glu.gate_up_proj, None) if "gate_up_proj" in glu else (glu.gate_proj, glu.up_proj)
+    reason = reason or ffn.supports(tokens, x_dtype, norm_w, *gate_up)
     down = glu.down_proj
     if not reason and ("scales" not in down or "bias" in down):
         reason = "unquantized or biased experts"
@@ -149,12 +157,19 @@ def _experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[
                                   down.group_size, down.bits, down.mode)
 
 
-def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more) -> str:
-    """Why a residual block's glue (post-norms, add, layer scalar, next norm) keeps MLX's ops ('' if it
-    takes the fused kernel); `more`: its other operands."""
+def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more,
+             route: Optional[mx.array] = None) -> str:
+    """Why a residual block's glue (post-norms, add, layer scalar, next norm; the experts' weighted sum
+    with `route`) keeps MLX's ops ('' if it takes the fused kernel); `more`: its other operands."""
     rows = x.size // x.shape[-1]
     return _fused("residual", lambda: ("" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows")
-                  or glue.supports(x, y, w, scalar, *more))
+                  or glue.supports(x, y, w, scalar, *more, route=route))
+
+
+def router(x: mx.array, scale: mx.array, proj, per_expert: mx.array, top_k: int) -> str:
+    """Why an MoE router (norm, scores, top-k, softmax, expert scales) keeps MLX's ops ('' if it takes the
+    fused kernel)."""
+    return _fused("router", lambda: routing.supports(x, scale, proj, per_expert, top_k))
 
 
 def summary() -> str:

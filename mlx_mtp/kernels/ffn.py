@@ -24,7 +24,8 @@ _DENSE = Kernel("mtp_mlp_input", ("qmm.cuh", "proj.cuh", "ffn.cuh"),
 _EXPERTS = Kernel("mtp_experts_input", ("qmm.cuh", "proj.cuh", "ffn.cuh"),
                   ["x", "norm_w", "ids", "w", "scales", "biases", "w2", "scales2", "biases2", "eps"], ["y"],
                   "mtp_experts_input<T, BITS, GROUP, MT, NW, DEPTH, TOP_K, NORM, JOINED>(x, norm_w, ids, w, scales, "
-                  "biases, w2, scales2, biases2, y, ids_shape[0], w_shape[1], x_shape[1], eps[0]);")
+                  "biases, w2, scales2, biases2, y, ids_shape[0] * (ids_ndim > 1 ? ids_shape[1] : 1), w_shape[1], "
+                  "x_shape[1], eps[0]);")
 
 
 def supports(rows: int, x_dtype: mx.Dtype, norm_w: Optional[mx.array], gate, up=None) -> str:
@@ -69,10 +70,10 @@ def dense(x: mx.array, norm_w: Optional[mx.array], gate, up=None, eps: float = 1
 
 def experts(x: mx.array, norm_w: Optional[mx.array], ids: mx.array, top_k: int, gate, up=None,
             eps: float = 1e-6) -> mx.array:
-    """Pair p of `ids` (P,): token row p // top_k of x (tokens, K), normed (norm_w None: as given),
-    through its expert's gate and up (QuantizedSwitchLinear layers (E, I, K); `gate` the joined
-    (E, 2I, K) one if `up` is None), gelu_tanh(gate) * up: (P, I)."""
-    P, K = ids.shape[0], x.shape[-1]
+    """Pair p of `ids` (P,), or (tokens, top_k) in row order: token row p // top_k of x (tokens, K), normed
+    (norm_w None: as given), through its expert's gate and up (QuantizedSwitchLinear layers (E, I, K);
+    `gate` the joined (E, 2I, K) one if `up` is None), gelu_tanh(gate) * up: (P, I)."""
+    P, K = ids.size, x.shape[-1]
     E = gate["weight"].shape[0]
     n, inter, template, weights = _shape(gate, up, x)
     nw = qmm.warps(inter, K, gate.bits)

@@ -1,5 +1,6 @@
 // A residual block's glue in one kernel (issue 42), one block per row (so every row is its own):
-//   y = rms(y1) * w1 (+ rms(y2) * w2 when TWO: an MoE layer's dense and expert outputs, each normed)
+//   y = rms(y1) * w1 (+ rms(y2) * w2 when TWO: an MoE layer's dense and expert outputs, each normed;
+//       with TOP_K, y2 is the sum of the row's TOP_K expert outputs, each times its weight in `route`)
 //   h = (x + rms(y) * w) (* scalar when SCALAR)
 //   hn = rms(h) * w_next (when NEXT: the next product's input norm, for a consumer without a prologue)
 // each step rounded to T as MLX's separate ops round it; reductions in fp32 in a fixed order.
@@ -30,15 +31,33 @@ MTP_DEVICE void mtp_norm_row(float* row, const T* weight, float eps, float* red)
     row[i] = ::mtp_to_float(::mtp_from_float<T>(weight ? row[i] * r * ::mtp_to_float(weight[i]) : row[i] * r));
 }
 
-template <typename T, typename S, int H, bool TWO, bool SCALAR, bool NEXT>
-MTP_DEVICE void mtp_residual(const T* x, const T* y1, const T* w1, const T* y2, const T* w2, const T* w,
-                             const S* scalar, const T* w_next, T* h, T* hn, float eps) {
+// row[i] := the sum of the row's TOP_K expert outputs y (TOP_K rows of H from `y`), each times its weight
+// in `route` (fp32; rounded to T, the product too, as MLX's ops round them), added in fp32 in their order.
+template <typename T, int H, int TOP_K>
+MTP_DEVICE void mtp_weighted_row(float* row, const T* y, const float* route) {
+  for (int i = threadIdx.x; i < H; i += MTP_RESIDUAL_THREADS) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TOP_K; ++j) {
+      const float r = ::mtp_to_float(::mtp_from_float<T>(route[j]));
+      s += ::mtp_to_float(::mtp_from_float<T>(r * ::mtp_to_float(y[(size_t)j * H + i])));
+    }
+    row[i] = ::mtp_to_float(::mtp_from_float<T>(s));
+  }
+}
+
+template <typename T, typename S, int H, bool TWO, int TOP_K, bool SCALAR, bool NEXT>
+MTP_DEVICE void mtp_residual(const T* x, const T* y1, const T* w1, const T* y2, const float* route, const T* w2,
+                             const T* w, const S* scalar, const T* w_next, T* h, T* hn, float eps) {
   __shared__ float a[H], b[H];
   __shared__ float red[MTP_RESIDUAL_THREADS / 32];
   const size_t base = (size_t)blockIdx.x * H;
   for (int i = threadIdx.x; i < H; i += MTP_RESIDUAL_THREADS) a[i] = ::mtp_to_float(y1[base + i]);
   if constexpr (TWO) {
-    for (int i = threadIdx.x; i < H; i += MTP_RESIDUAL_THREADS) b[i] = ::mtp_to_float(y2[base + i]);
+    if constexpr (TOP_K > 0)
+      mtp_weighted_row<T, H, TOP_K>(b, y2 + base * TOP_K, route + (size_t)blockIdx.x * TOP_K);
+    else
+      for (int i = threadIdx.x; i < H; i += MTP_RESIDUAL_THREADS) b[i] = ::mtp_to_float(y2[base + i]);
     mtp_norm_row<T, H>(a, w1, eps, red);
     mtp_norm_row<T, H>(b, w2, eps, red);
     for (int i = threadIdx.x; i < H; i += MTP_RESIDUAL_THREADS)

@@ -29,7 +29,7 @@ _DENSE = Kernel("mtp_qmm_dense", "qmm.cuh", ["x", "w", "scales", "biases"], ["y"
 _EXPERTS = Kernel("mtp_qmm_experts", "qmm.cuh",
                   ["x", "ids", "w", "scales", "biases", "w2", "scales2", "biases2"], ["y"],
                   "mtp_qmm_experts<T, BITS, GROUP, MT, NW, DEPTH, XDIV, GLU>(x, ids, w, scales, biases, w2, scales2, "
-                  "biases2, y, ids_shape[0], w_shape[1], x_shape[1]);")
+                  "biases2, y, ids_shape[0] * (ids_ndim > 1 ? ids_shape[1] : 1), w_shape[1], x_shape[x_ndim - 1]);")
 
 
 def warps(n: int, k: int, bits: int) -> int:
@@ -71,10 +71,11 @@ def dense(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
 
 
 def experts(x: mx.array, ids: mx.array, layer, top_k: int, glu: bool = False, second=None) -> mx.array:
-    """Pair p of `ids` (P,) through its expert of a QuantizedSwitchLinear `layer` (E, N, K): (P, N).
-    x holds a row per token (row p // top_k; top_k=1: a row per pair). `glu`: gelu_tanh(x @ layer)
-    * (x @ second), `second` the up projection beside `layer`, the gate."""
-    P, K = ids.shape[0], x.shape[-1]
+    """Pair p of `ids` (P,) through its expert of a QuantizedSwitchLinear `layer` (E, N, K): (P, N); ids
+    (tokens, k), pairs in row order, give (tokens, k, N). x holds a row per token (row p // top_k;
+    top_k=1: a row per pair). `glu`: gelu_tanh(x @ layer) * (x @ second), `second` the up projection
+    beside `layer`, the gate."""
+    P, K = ids.size, x.shape[-1]
     E, N = layer["weight"].shape[:2]
     tokens = -(-P // top_k)
     nw = warps(N, K, layer.bits)
@@ -84,7 +85,7 @@ def experts(x: mx.array, ids: mx.array, layer, top_k: int, glu: bool = False, se
                 ("DEPTH", DEPTH), ("XDIV", top_k), ("GLU", glu)]
     inputs = [x, ids, layer["weight"], layer["scales"], layer["biases"], up["weight"], up["scales"], up["biases"]]
     return _EXPERTS(inputs, template, grid=(N // 16 * 32 * nw, min(P, E), 1), threadgroup=(32 * nw, 1, 1),
-                    output_shapes=[(P, N)], output_dtypes=[x.dtype])[0]
+                    output_shapes=[(*ids.shape, N)], output_dtypes=[x.dtype])[0]
 
 
 def name(dtype: mx.Dtype) -> str:

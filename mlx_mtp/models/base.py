@@ -335,6 +335,11 @@ def _holding(structure, arrays):
     return arrays
 
 
+@functools.partial(mx.compile, shapeless=True)
+def gelu_tanh_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
 def rms_norm(x: mx.array, weight: Optional[mx.array], eps: float) -> mx.array:
     """Gemma 4 RMSNorm: plain `x * rsqrt(mean(x^2) + eps) * w` (no `1 + w`)."""
     if fused_kernels():

@@ -16,15 +16,16 @@ from typing import Any, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from ..cache.kv import FULL, SLIDING, KVCache, Ragged, Step
 from ..runtime.jit import small
-from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, log, one_by_one, rms_norm,
-                   rows_apart)
+from . import moe as moe_block
+from .base import (BaseConfig, ConfigError, TargetOutput, compiled, fused_kernels, gelu_tanh_glu, log, one_by_one,
+                   rms_norm, rows_apart)
 from .layout import JOINS, join, joined_name, keeping_parts, parts, unjoin  # noqa: F401 (the module's layout API)
-from .quantized import Embedding, Linear, forward_tokens, switch_glu
+from .moe import Experts, GeGLU, Router  # noqa: F401 (the MoE layers' modules, as they were here)
+from .quantized import Embedding, Linear, forward_tokens
 from .rope import Rope
 
 
@@ -139,11 +140,6 @@ class Config(BaseConfig):
             if self.layer_types[j] == layer_type:
                 return j
         raise ConfigError(f"no non-shared {layer_type} layer to share K/V from")
-
-
-@partial(mx.compile, shapeless=True)
-def gelu_tanh_glu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
 
 
 @partial(mx.compile, shapeless=True)
@@ -346,53 +342,6 @@ class MLP(nn.Module):
         return self.down_proj(glu)
 
 
-# Opt-in instrumentation (apps/bench experts): when set to a list, every Router call appends
-# its (tokens, top_k) expert ids, in layer order. None (the default) records nothing.
-ROUTER_RECORD: Optional[list] = None
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.scale = mx.ones((cfg.hidden_size,))
-        self.per_expert_scale = mx.ones((cfg.num_experts,))
-        self.top_k = cfg.top_k_experts
-        self.eps = cfg.rms_norm_eps
-
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        z = rms_norm(x, None, self.eps) * self.scale * (x.shape[-1] ** -0.5)
-        scores = self.proj(z).astype(mx.float32)
-        idx = mx.argpartition(-scores, self.top_k - 1, axis=-1)[..., : self.top_k]
-        # softmax over the top-k scores == softmax, top-k, renormalise
-        weights = mx.softmax(mx.take_along_axis(scores, idx, axis=-1), axis=-1)
-        if ROUTER_RECORD is not None:
-            ROUTER_RECORD.append(idx)
-        return idx, weights * self.per_expert_scale[idx]
-
-
-class GeGLU(nn.Module):
-    """SwitchGLU's activation slot: called as activation(up, gate)."""
-
-    kind = "gelu_tanh"  # what a fused experts kernel computes in its place (kernels.switch_glu)
-
-    def __call__(self, up, gate):
-        return gelu_tanh_glu(gate, up)
-
-
-class Experts(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, GeGLU())
-
-    def __call__(self, x: mx.array, norm: RMSNorm, idx: mx.array, weights: mx.array) -> mx.array:
-        """The experts `idx` of norm(x), weighted: the norm, gate/up and GLU in one CUDA kernel where
-        it applies."""
-        y = kernels.experts_input(self.switch_glu, x, norm.weight, idx, norm.eps)  # (..., k, H)
-        y = switch_glu(self.switch_glu, norm(x), idx) if y is None else y
-        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config, i: int):
         super().__init__()
@@ -426,8 +375,8 @@ class DecoderLayer(nn.Module):
         moe = None
         if "router" in self:
             idx, weights = self.router(h)
-            experts = self.experts(h, self.pre_feedforward_layernorm_2, idx, weights)
-            moe = (self.post_feedforward_layernorm_1, experts, self.post_feedforward_layernorm_2)
+            experts = self.experts(h, self.pre_feedforward_layernorm_2, idx)
+            moe = (self.post_feedforward_layernorm_1, experts, self.post_feedforward_layernorm_2, weights)
         if per_layer_input is None:
             return residual(h, f, self.post_feedforward_layernorm, moe, self.layer_scalar), kv
         h = residual(h, f, self.post_feedforward_layernorm, moe)
@@ -438,14 +387,15 @@ class DecoderLayer(nn.Module):
 
 def residual(x: mx.array, y: mx.array, norm: RMSNorm, moe: Optional[tuple] = None,
              scalar: Optional[mx.array] = None) -> mx.array:
-    """(x + norm(y)) * scalar, with an MoE layer's `moe` = (norm1, y2, norm2): y is then norm1(y) +
-    norm2(y2). In one CUDA kernel where it applies (`kernels.residual`), else MLX's ops."""
+    """(x + norm(y)) * scalar, with an MoE layer's `moe` = (norm1, y2, norm2, weights): y is then norm1(y) +
+    norm2(y2 summed with the experts' weights). In one CUDA kernel where it applies (`kernels.residual`),
+    else MLX's ops."""
     second = moe and (moe[0].weight, moe[1], moe[2].weight)
-    fused = kernels.residual(x, y, norm.weight, norm.eps, scalar, second)
+    fused = kernels.residual(x, y, norm.weight, norm.eps, scalar, second, route=moe and moe[3])
     if fused is not None:
         return fused
     if moe is not None:
-        y = moe[0](y) + moe[2](moe[1])
+        y = moe[0](y) + moe[2](moe_block.weighted(moe[1], moe[3]))
     h = x + norm(y)
     return h if scalar is None else h * scalar
 
@@ -595,7 +545,7 @@ class Model(nn.Module):
         # Pipeline sends and the router record are side effects, and the CPU's grouped experts read
         # the routing on the host (models/quantized.py): they run uncompiled.
         grouped = self.config.enable_moe_block and not fused_kernels()
-        compilable = step.fixed and self.pipeline is None and ROUTER_RECORD is None and not grouped
+        compilable = step.fixed and self.pipeline is None and moe_block.ROUTER_RECORD is None and not grouped
         with forward_tokens(tokens.shape[1]):
             logits, hidden, keys, values = (self._compiled_forward if compilable else self._forward)(tokens, step, keep)
         cache.keys[:], cache.values[:] = keys, values  # (what a compiled forward returns: new buffers)
@@ -706,10 +656,8 @@ class Model(nn.Module):
             m = re.match(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", key + ".")
             if m and int(m.group(1)) >= first:
                 continue  # KV-shared layers ship unused K/V weights
-            if key.endswith("experts.gate_up_proj"):
-                gate, up = mx.split(value, 2, axis=-2)
-                out[key.replace("gate_up_proj", "switch_glu.gate_proj.weight")] = gate
-                out[key.replace("gate_up_proj", "switch_glu.up_proj.weight")] = up
+            if key.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate's rows, then up's, as `join` keeps them
+                out[key.replace("gate_up_proj", "switch_glu.gate_up_proj.weight")] = value
                 continue
             if key.endswith("experts.down_proj"):
                 key += ".weight"

@@ -43,7 +43,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 from .. import kernels
 from .base import cpu_stream_count, fused_kernels
@@ -233,13 +233,10 @@ def _spread(product, features: int, step: int, streams: list, evaluate: bool) ->
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
-def _layer_matmul(layer: nn.Module, x: mx.array, expert: Optional[int] = None,
-                  tokens_per_row: Optional[int] = None) -> mx.array:
-    """A quantized layer's (or one expert's, on the running stream) product on the CPU backend, fp32."""
-    pick = (lambda a: a) if expert is None else (lambda a: a[expert])
-    biases = layer.get("biases")
-    return quantized_matmul(x, pick(layer["weight"]), pick(layer["scales"]), None if biases is None else pick(biases),
-                            layer.group_size, layer.bits, layer.mode, tokens_per_row, split=expert is None)
+def _layer_matmul(layer: nn.Module, x: mx.array) -> mx.array:
+    """A quantized layer's product on the CPU backend, fp32."""
+    return quantized_matmul(x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                            layer.mode)
 
 
 class Linear(nn.Linear):
@@ -315,15 +312,15 @@ def adopt(model: nn.Module) -> nn.Module:
 
 def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     """(..., H) tokens through their experts `idx` (..., k) -> (..., k, H), in x's dtype."""
-    w = glu.gate_proj.weight
+    w = glu.down_proj.weight
     floating = mx.issubdtype(w.dtype, mx.floating)
     if fused_kernels():
         if floating:  # float32 where loading widened it for the backend
-            return glu(x.astype(w.dtype), idx).astype(x.dtype)
+            return gathered_glu(glu, x.astype(w.dtype), idx).astype(x.dtype)
         y = kernels.switch_glu(glu, x, idx)
         if y is None and kernels.prefill_experts(glu, idx):  # a prompt chunk on CUDA: grouped by expert
             return grouped_glu(glu, x, idx, x.dtype, gpu=True)
-        return glu(x, idx) if y is None else y
+        return gathered_glu(glu, x, idx) if y is None else y
     dtype = w.dtype if floating else mx.float32
     sizes = ragged_sizes(idx.size // idx.shape[-1])
     if sizes is None:
@@ -333,6 +330,53 @@ def switch_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
     y = _by_sequence(lambda rows, ids, n: grouped_glu(glu, rows, ids, dtype, tokens=n), sizes,
                      x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]))
     return y.reshape(*idx.shape, -1).astype(x.dtype)
+
+
+def gathered_glu(glu: SwitchGLU, x: mx.array, idx: mx.array) -> mx.array:
+    """mlx-lm's SwitchGLU forward (MLX's gather products; rows sorted by expert from 64 pairs), with the
+    products' row indices handed in as constants: MLX makes them with an Arange per product, and a reshape
+    and a broadcast where the rows are not sorted (8 graph nodes a decode step's layer). The same products
+    of the same rows: bitwise its output."""
+    k = idx.shape[-1]
+    x = mx.expand_dims(x, (-2, -3))
+    ids = mx.stop_gradient(idx)
+    ordered = ids.size >= 64  # as mlx-lm's SwitchGLU decides
+    if ordered:  # x and h: a row per pair
+        x, ids, inverse = _gather_sort(x, ids)
+        tokens = pairs = _row_index((ids.size,), 1)
+    else:  # x: a row per token, h: a row per pair
+        tokens, pairs = _row_index(ids.shape, k), _row_index(ids.shape, 1)
+    gate, up = kernels.gate_up(glu)
+    if up is None:  # the joined gate/up: one product, then its two halves
+        gate, up = mx.split(_gathered(gate, x, tokens, ids, ordered), 2, axis=-1)
+        h = glu.activation(up, gate)
+    else:
+        h = glu.activation(_gathered(up, x, tokens, ids, ordered), _gathered(gate, x, tokens, ids, ordered))
+    y = _gathered(glu.down_proj, h, pairs, ids, ordered)
+    if ordered:
+        y = _scatter_unsort(y, inverse, idx.shape)
+    return y.squeeze(-2)
+
+
+@lru_cache(maxsize=None)
+def _row_index(shape: tuple, k: int) -> mx.array:
+    """The row of each (token, expert) pair of `shape` in a product's input of one row per `k` pairs: an
+    evaluated constant (no graph node)."""
+    index = mx.array((np.arange(math.prod(shape), dtype=np.uint32) // k).reshape(shape))
+    mx.eval(index)
+    return index
+
+
+def _gathered(layer: nn.Module, x: mx.array, rows: mx.array, ids: mx.array, ordered: bool) -> mx.array:
+    """A (Quantized)SwitchLinear's forward (mlx-lm's) with the row indices given."""
+    if "scales" in layer:
+        y = mx.gather_qmm(x, layer["weight"], layer["scales"], layer.get("biases"), lhs_indices=rows, rhs_indices=ids,
+                          transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                          global_scale=getattr(layer, "global_scale", None), sorted_indices=ordered)
+    else:
+        y = mx.gather_mm(x, layer["weight"].swapaxes(-1, -2), lhs_indices=rows, rhs_indices=ids,
+                         sorted_indices=ordered)
+    return y if "bias" not in layer else y + mx.expand_dims(layer["bias"][ids], -2)
 
 
 def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
@@ -350,33 +394,64 @@ def grouped_glu(glu: SwitchGLU, x: mx.array, idx: mx.array, dtype: mx.Dtype,
     ends = [*starts[1:].tolist(), len(order)]
     rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)].astype(dtype)
     expert = _expert_gpu if gpu else _expert
-    weights = glu.up_proj.weight.shape[1] * x.shape[-1]  # one expert projection's
+    weights = glu.down_proj.input_dims * glu.down_proj.output_dims  # one expert projection's
     streams = [mx.default_stream(mx.default_device())] if gpu else _streams_for(weights)
+    used = experts.tolist()
+    gate, up = (None if p is None else _ByExpert(p, used) for p in kernels.gate_up(glu))
+    down = _ByExpert(glu.down_proj, used)
     outs = []
-    for i, (e, start, end) in enumerate(zip(experts.tolist(), starts.tolist(), ends)):
+    for i, (e, start, end) in enumerate(zip(used, starts.tolist(), ends)):
         with mx.stream(streams[i % len(streams)]):
             xe = rows[start:end]
-            h = glu.activation(expert(glu.up_proj, e, xe, tokens), expert(glu.gate_proj, e, xe, tokens))
-            outs.append(expert(glu.down_proj, e, h, tokens))
+            if up is None:  # the joined gate/up: one product, then its two halves
+                g, u = mx.split(expert(gate, e, xe, tokens), 2, axis=-1)
+                h = glu.activation(u, g)
+            else:
+                h = glu.activation(expert(up, e, xe, tokens), expert(gate, e, xe, tokens))
+            outs.append(expert(down, e, h, tokens))
         if not gpu and tokens > ROW_EXACT_TOKENS and len(outs) % len(streams) == 0:
             mx.eval(outs[-len(streams):])  # a prompt chunk's dequantised experts: a round at a time
     y = mx.concatenate(outs)[mx.array(np.argsort(order))]  # back to (token, slot) order
     return y.reshape(*idx.shape, -1)
 
 
-def _expert_gpu(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+class _ByExpert:
+    """The `used` experts' parts of a (Quantized)SwitchLinear's arrays (E, N, ...): each array as E runs of N
+    rows (a reshape), cut at the used experts' bounds (one Split), so that an expert's are views, not copies
+    (a gather and a squeeze each): two nodes an array, not two an expert and array."""
+
+    def __init__(self, layer: nn.Module, used: Sequence[int]):
+        self.layer, n, E = layer, layer["weight"].shape[1], layer["weight"].shape[0]
+        cuts = sorted({b for e in used for b in (e * n, (e + 1) * n)} - {0, E * n})
+        starts = [0, *cuts]
+        self.part = {e: starts.index(e * n) for e in used}
+        self.parts = {}
+        for k in ("weight", "scales", "biases", "bias"):
+            if layer.get(k) is not None:
+                rows = layer[k].reshape(E * n, *layer[k].shape[2:])
+                self.parts[k] = mx.split(rows, cuts, axis=0) if cuts else [rows]
+
+    def __call__(self, name: str, e: int) -> Optional[mx.array]:
+        """Expert e's `name` array (None where the layer has none)."""
+        parts = self.parts.get(name)
+        return None if parts is None else parts[self.part[e]]
+
+
+def _expert_gpu(experts: _ByExpert, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
     """One quantized expert of a QuantizedSwitchLinear on rows x, on MLX's GPU kernels."""
-    biases = layer.get("biases")
-    return mx.quantized_matmul(x, layer["weight"][e], layer["scales"][e], None if biases is None else biases[e], True,
+    layer = experts.layer
+    return mx.quantized_matmul(x, experts("weight", e), experts("scales", e), experts("biases", e), True,
                                layer.group_size, layer.bits, mode=layer.mode)
 
 
-def _expert(layer: nn.Module, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
+def _expert(experts: _ByExpert, e: int, x: mx.array, tokens_per_row: int) -> mx.array:
     """One expert of a (Quantized)SwitchLinear on rows x (of a forward of `tokens_per_row`)."""
+    layer = experts.layer
     if "scales" in layer:
-        y = _layer_matmul(layer, x, e, tokens_per_row)
+        y = quantized_matmul(x, experts("weight", e), experts("scales", e), experts("biases", e), layer.group_size,
+                             layer.bits, layer.mode, tokens_per_row, split=False)
     else:
-        y = x @ layer["weight"][e].T
+        y = x @ experts("weight", e).T
     if "bias" in layer:
-        y = y + layer["bias"][e]
+        y = y + experts("bias", e)
     return y

@@ -37,10 +37,10 @@ def tiny_pair(variant: str, seed: int = 0) -> Loaded:
     return Loaded(target, None, drafter, frozenset())
 
 
-def quantized_pair(seed: int = 9) -> Loaded:
+def quantized_pair(seed: int = 11) -> Loaded:
     """The tiny MoE pair at sizes mlx_mtp's CUDA kernels take (head_dim 64, 128 in the full layer; 16
     experts; two layers), in bf16 and quantized to 4 bits (group 32; the router and dense MLP at 8),
-    target and drafter independently random. Seed 9's greedy output does not fall into a repeat."""
+    target and drafter independently random. Seed 11's greedy output does not fall into a repeat at once."""
     configs = json.loads(CONFIGS.read_text())["moe"]
     layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], head_dim=64,
                   per_layer_config={"1": {"head_dim": 128, "num_key_value_heads": 1}})
