@@ -6,7 +6,7 @@ from .runtime.mlx_build import require as _require_mlx
 
 _require_mlx()  # before anything imports MLX: an install MLX cannot load is explained in one line
 
-from . import _moved  # the modules' paths from before the layer packages, with a DeprecationWarning
+from .runtime import moved as _moved  # the modules' paths from before the layer packages, with a DeprecationWarning
 
 _moved.install(_sys.modules[__name__])
 

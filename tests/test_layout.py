@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_mtp._moved import MOVED
+from mlx_mtp.runtime.moved import MOVED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_mtp"
 # Bottom first: a module imports only from its own layer and the layers before it. Named by the
@@ -17,13 +17,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlx_mtp"
 LAYERS = [
     ["runtime"], ["kernels"], ["cache.kv", "cache.__init__"], ["models"], ["formats"], ["cache"],
     ["decode"], ["loading"], ["demo"], ["cli"], ["distributed"], ["learn"], ["engine"], ["server"],
-    ["chat", "chat_images", "selftest", "__main__", "__init__", "_moved"],
+    ["chat", "chat_images", "selftest", "__main__", "__init__"],
 ]
 # Imports inside a function that may reach up, each with its reason.
 UPWARD = {
     ("formats.vision", "loading"): "the vision encoder's weights load with the first image, by the loader",
 }
-TOP = {"__init__.py", "__main__.py", "_moved.py", "chat.py", "chat_images.py", "cli.py", "loading.py",
+TOP = {"__init__.py", "__main__.py", "chat.py", "chat_images.py", "cli.py", "loading.py",
        "cache", "decode", "demo", "distributed", "engine", "formats", "kernels", "learn", "models",
        "runtime", "selftest", "server"}
 
@@ -83,7 +83,7 @@ def graph():
 def test_the_top_of_the_package_holds_the_layers_and_the_entry_points_only():
     entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
     assert entries == TOP
-    assert not {f"{old}.py" for old in MOVED} & entries  # no shim files: the old paths live in _moved.py
+    assert not {f"{old}.py" for old in MOVED} & entries  # no shim files: the old paths live in runtime/moved.py
 
 
 def test_every_module_imports_only_from_its_layer_or_below():
@@ -193,7 +193,7 @@ def test_import_mlx_mtp_loads_no_module_it_did_not_load_before_the_layers():
     renamed = {**MOVED, "cache": "cache.kv", "engine": "engine.engine"}
     now = {f"mlx_mtp.{renamed.get(old, old)}" for old in BEFORE + ADDED_SINCE}
     packages = {f"mlx_mtp.{p}" for p in ("cache", "decode", "engine", "formats", "runtime")}  # __init__s
-    assert set(json.loads(res.stdout)) <= now | packages | {"mlx_mtp", "mlx_mtp._moved"}
+    assert set(json.loads(res.stdout)) <= now | packages | {"mlx_mtp", "mlx_mtp.runtime.moved"}
 
 
 @pytest.mark.parametrize("command", [["-m", "mlx_mtp.learn", "--help"], ["-m", "mlx_mtp.selftest", "--help"]])

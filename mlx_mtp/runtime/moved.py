@@ -14,6 +14,8 @@ import sys
 import types
 import warnings
 
+PACKAGE = __package__.rpartition(".")[0]  # mlx_mtp: the old paths were its modules
+
 MOVED = {  # old module -> where it lives now
     "admission": "engine.admission", "batch": "decode.batch", "capture": "learn.capture",
     "chat_format": "formats.chat", "conversation": "engine.conversation",
@@ -41,12 +43,12 @@ class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         package, _, old = fullname.rpartition(".")
-        if package != __package__ or old not in MOVED:
+        if package != PACKAGE or old not in MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
-        new = f"{__package__}.{MOVED[spec.name.rpartition('.')[2]]}"
+        new = f"{PACKAGE}.{MOVED[spec.name.rpartition('.')[2]]}"
         warnings.warn(f"{spec.name} is now {new}; import it from there", DeprecationWarning,
                       stacklevel=_importer_level())
         module = importlib.import_module(new)
@@ -78,8 +80,8 @@ def install(package: types.ModuleType) -> None:
 def old_attribute(name: str):
     """`mlx_mtp.<old>` after `import mlx_mtp`, as it worked while `mlx_mtp` imported every module."""
     if name not in MOVED:
-        raise AttributeError(f"module {__package__!r} has no attribute {name!r}")
-    return importlib.import_module(f"{__package__}.{name}")
+        raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")
+    return importlib.import_module(f"{PACKAGE}.{name}")
 
 
 def _importer_level() -> int:
@@ -92,7 +94,7 @@ def _importer_level() -> int:
         if "importlib" in name and "_bootstrap" in name:
             continue
         level += 1
-        ours = name == __file__ or frame.f_globals.get("__name__") == __package__
+        ours = name == __file__ or frame.f_globals.get("__name__") == PACKAGE
         if not ours and "importlib" not in name:
             return level
     return level
