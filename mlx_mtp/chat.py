@@ -50,7 +50,8 @@ RAW_TOKENS = 256  # a --raw completion's: a function or two (a block's end stops
 TURNS = 16  # context // TURNS a reply: 10 turns (and their messages) fit, the demo's 2,048 too
 # A line that starts at column 0 ends an indented block (Python's function or class body).
 COLUMN_0 = tuple("\n" + c for c in string.printable if not c.isspace())
-REPEATS = 3  # a --raw completion whose last lines are one block this many times in a row is looping
+REPEATS = 3  # a --raw completion that ends with one block of lines this many times in a row is looping
+PIECE = 8  # or with one piece of a line this long (or longer)
 
 
 EPILOG = """The demo pair, a small model trained on Python's standard library, continues code; it is no
@@ -94,9 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "to the block's end, where a line starts at column 0 (default: on; --no-stop-at-dedent "
                          "runs to --max-tokens)")
     ap.add_argument("--stop-at-repeat", action=argparse.BooleanOptionalAction, default=True,
-                    help=f"with --raw, a completion whose last lines are the same block {REPEATS} times in a row "
-                         "is looping: it stops there, and says so on stderr (default: on; --no-stop-at-repeat "
-                         "runs on)")
+                    help=f"with --raw, a completion that ends with the same block of lines {REPEATS} times in a "
+                         f"row (or the same piece of {PIECE}+ characters within a line) is looping: it stops there, "
+                         "and says so on stderr (default: on; --no-stop-at-repeat runs on)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
@@ -178,10 +179,9 @@ class Completion:
             self.tokens.append(event.token)
             yield event
             text += event.text
-            if self.stop_at_repeat and "\n" in event.text and (block := repeating(text)):
+            if self.stop_at_repeat and (loop := repeating(text)):
                 events.close()  # cancels the request; its last round's stats are read below
-                lines = f"{block} lines" if block > 1 else "line"
-                self.note = f"[stopped: the same {lines} {REPEATS} times in a row, a loop; --no-stop-at-repeat runs on]"
+                self.note = f"[stopped: {loop} {REPEATS} times in a row, a loop; --no-stop-at-repeat runs on]"
                 break
         done = handle.done or next((e for e in handle.events() if e.kind == "done"), None)
         self.last_stats = done.stats if done is not None else handle.stats
@@ -199,16 +199,21 @@ def block_end(text: str) -> tuple[str, ...]:
     return COLUMN_0 if opens or last[:1] in (" ", "\t") else ()
 
 
-def repeating(text: str, times: int = REPEATS) -> int:
-    """The length in lines of a block that `text`'s complete lines end with `times` times in a row
-    (the shortest such block; 0: none). Blank lines alone are no block: code has runs of them."""
-    lines = text.split("\n")[:-1]
-    for n in range(1, len(lines) // times + 1):
-        block = lines[-n:]
-        if any(line.strip() for line in block) and all(
-                lines[len(lines) - (i + 1) * n: len(lines) - i * n] == block for i in range(1, times)):
-            return n
-    return 0
+def repeating(text: str, times: int = REPEATS) -> str:
+    """What `text` ends with `times` times in a row ('' if nothing): a block of whole lines (the
+    shortest; blank lines alone are no block: code has runs of them), or within its last line a
+    piece of PIECE or more characters, a letter or digit among them (not a `====` rule)."""
+    *done, line = text.split("\n")
+    for n in range(1, len(done) // times + 1):
+        block = done[-n:]
+        if any(b.strip() for b in block) and all(
+                done[len(done) - (i + 1) * n: len(done) - i * n] == block for i in range(1, times)):
+            return "the same line" if n == 1 else f"the same {n} lines"
+    for n in range(PIECE, len(line) // times + 1):
+        piece = line[-n:]
+        if line.endswith(piece * times) and any(c.isalnum() for c in piece):
+            return repr(piece)
+    return ""
 
 
 def default_max_tokens(loaded: Loaded, raw: bool) -> int:

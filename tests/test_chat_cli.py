@@ -236,7 +236,7 @@ def test_help_says_the_defaults_and_what_the_demo_runs_with():
     assert rc == 0
     for said in ("(default: 0, greedy)", "per reply (default: 256 with --raw; else 512, or less where the model's "
                  "context would not hold 10 turns: 1/16 of it, 128 for the demo pair)", "where a line starts at column 0 (default: on;",
-                 "the same block 3 times in a row is looping: it stops there",
+                 "the same block of lines 3 times in a row (or the same piece of 8+ characters within a line) is looping",
                  "default: the demo pair's own drafter without "
                  "--model, none (plain decoding) with --model", "(default: auto)", "--raw --prompt 'def walk(top, topdown=True"):
         assert said in text, said
@@ -298,11 +298,14 @@ def test_a_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
                 assert stats.rounds and stats.accepted, stats.summary()  # the drafter really drafted
 
 
-@pytest.mark.parametrize("text, block", [("a\nb\na\nb\na\nb\n", 2), ("    x = 1\n" * 3, 1), ("    x = 1\n" * 2, 0),
-                                         ("a\nb\na\nb\na\nb", 0), ("\n" * 6, 0), ("x\n\n    y\n\n    y\n\n    y\n", 2),
-                                         ("a\nb\nc\nb\nc\nb\nc\n", 2)])
-def test_a_block_of_lines_repeated_three_times_in_a_row_is_a_loop(text, block):
-    assert chat.repeating(text) == block  # complete lines only; blank lines alone are no block
+@pytest.mark.parametrize("text, loop", [("a\nb\na\nb\na\nb\n", "the same 2 lines"), ("    x = 1\n" * 3, "the same line"),
+                                        ("    x = 1\n" * 2, ""), ("a\nb\na\nb\na\nb", ""), ("\n" * 6, ""),
+                                        ("x\n\n    y\n\n    y\n\n    y\n", "the same 2 lines"),
+                                        ('    """All the test' + "_version" * 3, "'_version'"),
+                                        ("    x = f(" + "0" * 24, "'00000000'"), ("    x = f(" + "0" * 23, ""),
+                                        ("    " + "=" * 70, ""), ("_type" * 6, "'_type_type'")])
+def test_a_completion_that_ends_with_the_same_lines_or_piece_3_times_in_a_row_loops(text, loop):
+    assert chat.repeating(text) == loop  # complete lines; or a piece of 8+ characters, a letter or digit in it
 
 
 def test_a_raw_completion_that_repeats_itself_stops_at_the_third_copy_the_same_with_mtp_as_without():
