@@ -51,6 +51,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--minutes", type=float, help="wall-time cap (a capped run is not step-reproducible)")
+    p.add_argument("--save-every", type=int, help="also save the drafter to --out every N steps, so that a "
+                                                  "stopped run keeps its work (default: only at the end)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the saved weights (training is always float32)")
     a = p.parse_args(argv)
@@ -73,9 +75,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
     print(f"drafter: {n_params / 1e6:.2f} M params ({'adapting ' + a.init if a.init else 'fresh'}); "
           f"data {len(stream) / 1e6:.2f} M tokens; {a.steps} steps x {a.batch} x {a.seq}, K={a.k}", flush=True)
+    save = lambda d: save_drafter(drafter, config, Path(a.out), extra={"checkpoint_at": d.done, "init": a.init},
+                                  dtype=getattr(mx, a.save_dtype))
     log = train(target, drafter, stream, steps=a.steps, k=a.k, seq=a.seq, batch=a.batch, lr=a.lr,
                 weight_decay=a.weight_decay, seed=a.seed, log_every=a.log_every, val_stream=val,
-                minutes=a.minutes, print_fn=lambda s: print(s, flush=True))
+                minutes=a.minutes, print_fn=lambda s: print(s, flush=True),
+                checkpoint=save if a.save_every else None, checkpoint_every=a.save_every or 50)
     log.update({"target": str(a.target), "init": a.init, "params": n_params, "data_tokens": int(len(stream))})
     save_drafter(drafter, config, Path(a.out), extra=log, dtype=getattr(mx, a.save_dtype))
     print(f"saved {a.out} ({log['seconds']:.0f}s of training)")

@@ -6,7 +6,8 @@ runs the small demo pair bundled in `mlx_mtp.demo`. With --prompt it answers onc
 scripts); without a terminal it reads one message per line from stdin. With --raw each message is
 completed as plain text (no chat template, no history), which suits code models: text that ends
 inside an indented block (a `def f():` line) is completed to the block's end, where the code comes
-back to column 0. With --think the
+back to column 0, and a completion that repeats itself (the same lines a third time in a row) stops
+there. With --think the
 model reasons before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to
 stdout.
 """
@@ -50,6 +51,8 @@ RAW_TOKENS = 256  # a --raw completion's: a function or two (a block's end stops
 TURNS = 16  # context // TURNS a reply: 10 turns (and their messages) fit, the demo's 2,048 too
 # A line that starts at column 0 ends an indented block (Python's function or class body).
 COLUMN_0 = tuple("\n" + c for c in string.printable if not c.isspace())
+REPEATS = 3  # a --raw completion that ends with one block of lines this many times in a row is looping
+PIECE = 8  # or with one piece of a line this long (or longer)
 
 
 EPILOG = """The demo pair, a small model trained on Python's standard library, continues code; it is no
@@ -92,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --raw, text that ends inside an indented block (a `def f():` line) is completed "
                          "to the block's end, where a line starts at column 0 (default: on; --no-stop-at-dedent "
                          "runs to --max-tokens)")
+    ap.add_argument("--stop-at-repeat", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"with --raw, a completion that ends with the same block of lines {REPEATS} times in a "
+                         f"row (or the same piece of {PIECE}+ characters within a line) is looping: it stops there, "
+                         "and says so on stderr (default: on; --no-stop-at-repeat runs on)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
@@ -146,11 +153,12 @@ class Completion:
 
     enable_thinking = False
 
-    def __init__(self, engine: Engine, stop_at_dedent: bool = True):
+    def __init__(self, engine: Engine, stop_at_dedent: bool = True, stop_at_repeat: bool = True):
         self.engine, self.loaded = engine, engine.loaded
-        self.stop_at_dedent = stop_at_dedent
+        self.stop_at_dedent, self.stop_at_repeat = stop_at_dedent, stop_at_repeat
         self.tokens: list[int] = []  # the last completion's prompt and output
         self.last_stats: Optional[Stats] = None
+        self.note: Optional[str] = None  # why the last completion stopped early, if it did
 
     def reset(self) -> None:
         self.tokens, self.last_stats = [], None
@@ -163,14 +171,21 @@ class Completion:
         room = self.loaded.target.config.max_position_embeddings - len(prompt)
         stop = block_end(text) if self.stop_at_dedent else ()
         handle = self.engine.submit(Request(prompt, max_tokens=max(1, min(max_tokens, room)), stop=stop, **options))
-        self.tokens, self.last_stats = list(prompt), handle.stats
+        self.tokens, self.last_stats, self.note = list(prompt), handle.stats, None
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:
-        for event in handle.tokens():
+        events, text = handle.tokens(), ""
+        for event in events:
             self.tokens.append(event.token)
             yield event
-        self.last_stats = handle.done.stats
+            text += event.text
+            if self.stop_at_repeat and (loop := repeating(text)):
+                events.close()  # cancels the request; its last round's stats are read below
+                self.note = f"[stopped: {loop} {REPEATS} times in a row, a loop; --no-stop-at-repeat runs on]"
+                break
+        done = handle.done or next((e for e in handle.events() if e.kind == "done"), None)
+        self.last_stats = done.stats if done is not None else handle.stats
 
 
 Session = Union[Conversation, Completion]
@@ -183,6 +198,23 @@ def block_end(text: str) -> tuple[str, ...]:
     last = text.rstrip("\n").rsplit("\n", 1)[-1]
     opens = last.split("#", 1)[0].rstrip().endswith(":")
     return COLUMN_0 if opens or last[:1] in (" ", "\t") else ()
+
+
+def repeating(text: str, times: int = REPEATS) -> str:
+    """What `text` ends with `times` times in a row ('' if nothing): a block of whole lines (the
+    shortest; blank lines alone are no block: code has runs of them), or within its last line a
+    piece of PIECE or more characters, a letter or digit among them (not a `====` rule)."""
+    *done, line = text.split("\n")
+    for n in range(1, len(done) // times + 1):
+        block = done[-n:]
+        if any(b.strip() for b in block) and all(
+                done[len(done) - (i + 1) * n: len(done) - i * n] == block for i in range(1, times)):
+            return "the same line" if n == 1 else f"the same {n} lines"
+    for n in range(PIECE, len(line) // times + 1):
+        piece = line[-n:]
+        if line.endswith(piece * times) and any(c.isalnum() for c in piece):
+            return repr(piece)
+    return ""
 
 
 def default_max_tokens(loaded: Loaded, raw: bool) -> int:
@@ -255,6 +287,8 @@ def answer(session: Session, text: str, options: dict) -> None:
         stream.close()
         printer.finish()
     CONSOLE.write(sys.stdout, "\n")
+    if getattr(session, "note", None):
+        print(session.note, file=sys.stderr, flush=True)
     if replied and session.last_stats is not None:
         print(stat_line(session.last_stats), file=sys.stderr, flush=True)
 
@@ -431,7 +465,7 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
         print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
         jit.on_first_compile(lambda: CONSOLE.line(jit.NOTICE))
         if args.raw:
-            session: Session = Completion(engine, args.stop_at_dedent)
+            session: Session = Completion(engine, args.stop_at_dedent, args.stop_at_repeat)
         else:
             session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine)
         for path in args.image:

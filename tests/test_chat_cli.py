@@ -236,6 +236,7 @@ def test_help_says_the_defaults_and_what_the_demo_runs_with():
     assert rc == 0
     for said in ("(default: 0, greedy)", "per reply (default: 256 with --raw; else 512, or less where the model's "
                  "context would not hold 10 turns: 1/16 of it, 128 for the demo pair)", "where a line starts at column 0 (default: on;",
+                 "the same block of lines 3 times in a row (or the same piece of 8+ characters within a line) is looping",
                  "default: the demo pair's own drafter without "
                  "--model, none (plain decoding) with --model", "(default: auto)", "--raw --prompt 'def walk(top, topdown=True"):
         assert said in text, said
@@ -295,3 +296,41 @@ def test_a_raw_completion_ends_with_its_function_the_same_with_mtp_as_without():
             assert stats.emitted < budget, options  # generation stopped there too
             if options.get("draft_tokens") == 3:
                 assert stats.rounds and stats.accepted, stats.summary()  # the drafter really drafted
+
+
+@pytest.mark.parametrize("text, loop", [("a\nb\na\nb\na\nb\n", "the same 2 lines"), ("    x = 1\n" * 3, "the same line"),
+                                        ("    x = 1\n" * 2, ""), ("a\nb\na\nb\na\nb", ""), ("\n" * 6, ""),
+                                        ("x\n\n    y\n\n    y\n\n    y\n", "the same 2 lines"),
+                                        ('    """All the test' + "_version" * 3, "'_version'"),
+                                        ("    x = f(" + "0" * 24, "'00000000'"), ("    x = f(" + "0" * 23, ""),
+                                        ("    " + "=" * 70, ""), ("_type" * 6, "'_type_type'")])
+def test_a_completion_that_ends_with_the_same_lines_or_piece_3_times_in_a_row_loops(text, loop):
+    assert chat.repeating(text) == loop  # complete lines; or a piece of 8+ characters, a letter or digit in it
+
+
+def test_a_raw_completion_that_repeats_itself_stops_at_the_third_copy_the_same_with_mtp_as_without():
+    """The demo target repeats a line it was given three times: the completion stops once it has
+    written that line three times, says so, and greedy MTP (K=3, auto) stops at the same text;
+    without the stop it runs to its budget."""
+    from mlx_mtp.demo import load_demo
+    from mlx_mtp.engine import Engine
+
+    prompt, line, budget = "def f():\n" + "    x = 1\n" * 3, "    x = 1\n", 48
+    with Engine(load_demo(), max_batch=1) as engine:
+        def complete(stop_at_repeat, **options):
+            session = chat.Completion(engine, stop_at_dedent=False, stop_at_repeat=stop_at_repeat)
+            return "".join(e.text for e in session.reply(prompt, max_tokens=budget, **options)), session
+
+        whole, session = complete(False, mtp=False)
+        assert whole.startswith(line * 4) and session.last_stats.emitted == budget and session.note is None, whole
+        for options in (dict(mtp=False), dict(draft_tokens=3), dict(draft_tokens="auto")):
+            text, session = complete(True, **options)
+            assert text == line * 3, (options, text)
+            assert session.last_stats.emitted < budget and "the same line 3 times in a row" in session.note, options
+
+
+def test_the_chat_says_on_stderr_that_a_raw_completion_stopped_in_a_loop():
+    rc, out, err = run_chat("--raw", "--max-tokens", 48, "--prompt", "def f():\n" + "    x = 1\n" * 3)
+    assert rc == 0 and [line for line in out.splitlines() if line.strip()] == ["    x = 1"] * 3, (out, err)
+    stopped = [line for line in err.splitlines() if line.startswith("[stopped")]
+    assert stopped == ["[stopped: the same line 3 times in a row, a loop; --no-stop-at-repeat runs on]"], err

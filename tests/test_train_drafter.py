@@ -110,6 +110,24 @@ def test_cli_adapts_an_existing_drafter(tmp_path):
     assert (tmp_path / "adapted" / "training.json").exists()
 
 
+def test_cli_saves_every_n_steps_so_a_stopped_run_keeps_its_work(tmp_path, monkeypatch):
+    """--save-every 2 over 5 steps: the drafter is saved at steps 2 and 4, then once more at the end."""
+    stream, _ = greedy_text()
+    np.save(tmp_path / "ids.npy", stream.astype(np.uint16))
+    saved, save = [], train_drafter.save_drafter
+
+    def keep(drafter, config, out, extra=None, dtype=None):
+        saved.append(extra.get("checkpoint_at", "end"))
+        save(drafter, config, out, extra, dtype)
+        assert load_model(out)[0] is not None  # each save is a whole drafter
+
+    monkeypatch.setattr(train_drafter, "save_drafter", keep)
+    train_drafter.main(["--target", str(TINY / "dense" / "target"), "--init", str(TINY / "dense" / "drafter"),
+                        "--data", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "adapted"), "--steps", "5",
+                        "--seq", "32", "--batch", "4", "--save-every", "2"])
+    assert saved == [2, 4, "end"]
+
+
 def test_centroid_head_drafter_trains(tmp_path):
     """An E2B-style drafter (ordered embeddings / centroid head) adapts too: its centroid scores
     get a cluster loss, token_ordering survives the save, and loss goes down."""
