@@ -313,7 +313,7 @@ def test_a_raw_completion_that_repeats_itself_stops_at_the_third_copy_the_same_w
     written that line three times, says so, and greedy MTP (K=3, auto) stops at the same text;
     without the stop it runs to its budget."""
     from mlx_mtp.demo import load_demo
-    from mlx_mtp.engine import Engine
+    from mlx_mtp.engine.engine import Engine
 
     prompt, line, budget = "def f():\n" + "    x = 1\n" * 3, "    x = 1\n", 48
     with Engine(load_demo(), max_batch=1) as engine:

@@ -26,9 +26,9 @@ if __package__ in (None, ""):
 from apps.demo_pair.data import stdlib_files  # noqa: E402
 from mlx_mtp import chat  # noqa: E402
 from mlx_mtp.cli import draft_tokens  # noqa: E402
-from mlx_mtp.engine import Engine  # noqa: E402
+from mlx_mtp.engine.engine import Engine  # noqa: E402
 from mlx_mtp.loading import load  # noqa: E402
-from mlx_mtp.processors import Penalties  # noqa: E402
+from mlx_mtp.decode.processors import Penalties  # noqa: E402
 
 
 def headers(n: int, seed: int = 0) -> list[tuple[str, str]]:
