@@ -25,11 +25,7 @@ MTP_DEVICE void mtp_attention_input(const T* x, const T* norm_w, const uint32_t*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * 16;
   const T* x_row[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + lane / 4;
-    x_row[mt] = m < M ? x + (size_t)m * K : nullptr;
-  }
+  mtp_x_rows<T, MT>(x_row, x, 0, M, K, lane);
   float acc[1][MT][4] = {};
   float ss[MT] = {};
   const MtpRows<T> rows[1] = {{w, scales, biases, n0}};

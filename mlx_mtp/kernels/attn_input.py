@@ -48,8 +48,7 @@ def supports(x: mx.array, norm_w: mx.array, qkv, q_norm: mx.array, k_norm: Optio
     reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
     if not reason and "scales" not in qkv:
         reason = "an unquantized projection"
-    reason = reason or qmm.supports(x.dtype, qkv["weight"], qkv["scales"], qkv.get("biases"), qkv.group_size,
-                                    qkv.bits, qkv.mode)
+    reason = reason or qmm.supports_layer(x.dtype, qkv)
     if reason:
         return reason
     n = qkv["weight"].shape[0]

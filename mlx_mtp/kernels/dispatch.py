@@ -73,8 +73,7 @@ def _why_not(family: str, reason: str) -> str:
 def quantized(rows: int, x_dtype: mx.Dtype, layer) -> str:
     """Why a quantized layer's product over `rows` rows keeps MLX's kernel ('' if it takes ours)."""
     reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
-    reason = reason or qmm.supports(x_dtype, layer["weight"], layer["scales"], layer.get("biases"),
-                                    layer.group_size, layer.bits, layer.mode)
+    reason = reason or qmm.supports_layer(x_dtype, layer)
     return _why_not("quantized matmul", reason)
 
 
@@ -91,9 +90,7 @@ def experts(tokens: int, top_k: int, x_dtype: mx.Dtype, glu) -> str:
     elif len({(p.bits, p.group_size, p.mode) for p in projections}) > 1:
         reason = "mixed quantization"
     else:
-        reason = next((r for p in projections
-                       if (r := qmm.supports(x_dtype, p["weight"], p["scales"], p.get("biases"), p.group_size,
-                                             p.bits, p.mode))), "")
+        reason = next((r for p in projections if (r := qmm.supports_layer(x_dtype, p))), "")
     if not reason and "gate_up_proj" in glu:  # the joined gate/up take the fused kernel (ffn), without a norm
         reason = ffn.supports(tokens, x_dtype, None, glu.gate_up_proj)
     return _why_not("MoE experts", reason)
@@ -153,8 +150,7 @@ def _experts_input(tokens: int, top_k: int, x_dtype: mx.Dtype, norm_w: Optional[
     down = glu.down_proj
     if not reason and ("scales" not in down or "bias" in down):
         reason = "unquantized or biased experts"
-    return reason or qmm.supports(x_dtype, down["weight"], down["scales"], down.get("biases"),
-                                  down.group_size, down.bits, down.mode)
+    return reason or qmm.supports_layer(x_dtype, down)
 
 
 def residual(x: mx.array, y: mx.array, w: mx.array, scalar: Optional[mx.array], *more,

@@ -41,11 +41,7 @@ MTP_DEVICE void mtp_mlp_input(const T* x, const T* norm_w, const uint32_t* w, co
   const int n0 = blockIdx.x * 16;
   for (int first = 0; first < M; first += MT * 8) {  // MT * 8 rows a pass (registers: two parts' sums)
     const T* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m = first + mt * 8 + lane / 4;
-      x_row[mt] = m < M ? x + (size_t)m * K : nullptr;
-    }
+    mtp_x_rows<T, MT>(x_row, x, first, M, K, lane);
     float acc[2][MT][4] = {};
     float ss[MT] = {};
     const MtpRows<T> rows[2] = {{w, scales, biases, n0}, {w2, scales2, biases2, (JOINED ? I : 0) + n0}};

@@ -37,8 +37,7 @@ def supports(rows: int, x_dtype: mx.Dtype, norm_w: Optional[mx.array], gate, up=
     if not reason and len({(p.bits, p.group_size, p.mode, p["weight"].shape) for p in layers}) > 1:
         reason = "gate and up quantized differently"
     for p in layers:
-        reason = reason or qmm.supports(x_dtype, p["weight"], p["scales"], p.get("biases"), p.group_size, p.bits,
-                                        p.mode)
+        reason = reason or qmm.supports_layer(x_dtype, p)
     n = gate["weight"].shape[-2]
     if not reason and up is None and n % 32:
         reason = f"{n} joined output features (not two multiples of 16)"

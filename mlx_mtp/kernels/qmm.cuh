@@ -185,6 +185,16 @@ MTP_DEVICE void mtp_reduce_tile(float* red, const float (&acc)[PARTS][4], int wa
   __syncthreads();  // `red` is written again by the next tile
 }
 
+// The x rows a lane loads in an MMA tile loop: rows first + mt * 8 + lane / 4 (nullptr past M).
+template <typename T, int MT>
+MTP_DEVICE void mtp_x_rows(const T* (&x_row)[MT], const T* x, int first, int M, int K, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int m = first + mt * 8 + lane / 4;
+    x_row[mt] = m < M ? x + (size_t)m * K : nullptr;
+  }
+}
+
 // y (M, N) = x (M, K) @ W.T: block b owns rows 16b .. 16b + 15 of W.
 template <typename T, int BITS, int GROUP, int MT, int NW, int DEPTH>
 MTP_DEVICE void mtp_qmm_dense(const T* x, const uint32_t* w, const T* scales, const T* biases, T* y, int M, int N,
@@ -193,11 +203,7 @@ MTP_DEVICE void mtp_qmm_dense(const T* x, const uint32_t* w, const T* scales, co
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * 16;
   const T* x_row[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + lane / 4;
-    x_row[mt] = m < M ? x + (size_t)m * K : nullptr;
-  }
+  mtp_x_rows<T, MT>(x_row, x, 0, M, K, lane);
   float acc[MT][4] = {};
   mtp_qmm_warp<T, BITS, GROUP, MT, NW, DEPTH>(acc, w, scales, biases, x_row, n0, K, warp, lane);
 #pragma unroll

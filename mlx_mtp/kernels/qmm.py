@@ -57,6 +57,12 @@ def supports(x_dtype: mx.Dtype, w: mx.array, scales: mx.array, biases, group_siz
     return ""
 
 
+def supports_layer(x_dtype: mx.Dtype, layer) -> str:
+    """`supports` for a quantized layer (`QuantizedLinear`, `QuantizedSwitchLinear`): its arrays and settings."""
+    return supports(x_dtype, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
+                    layer.mode)
+
+
 def dense(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
           depth: int = DEPTH, nw: Optional[int] = None) -> mx.array:
     """x (M, K) @ W.T for M <= MAX_ROWS rows: (M, N) in x's dtype. `depth`, `nw`: the launch shape

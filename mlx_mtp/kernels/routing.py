@@ -29,8 +29,7 @@ def supports(x: mx.array, scale: mx.array, proj, per_expert: mx.array, top_k: in
     reason = "" if 0 < rows <= qmm.MAX_ROWS else f"{rows} rows"
     if not reason and ("scales" not in proj or "bias" in proj):
         reason = "an unquantized or biased router"
-    reason = reason or qmm.supports(x.dtype, proj["weight"], proj["scales"], proj.get("biases"), proj.group_size,
-                                    proj.bits, proj.mode)
+    reason = reason or qmm.supports_layer(x.dtype, proj)
     if reason:
         return reason
     E = proj["weight"].shape[0]
