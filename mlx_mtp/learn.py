@@ -364,15 +364,16 @@ def _change(before: float, after: float) -> str:
 
 def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 4,
           lr: float = 1e-3, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
-          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print) -> dict:
+          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print, replies: bool = True) -> dict:
     """Adapt within `minutes` (None: unbounded), resuming from `out`.partial if a run with these inputs
-    stopped there; write `out` only if the adapted drafter is better. Returns the report (with `written`)."""
+    stopped there; write `out` only if the adapted drafter is better. `replies`: the loss over each
+    window's reply (else every position). Returns the report (with `written`)."""
     out = Path(out)
     check_out(out, drafter_dir)
     a = Adaptation(target, drafter_dir, records, general, steps=steps, seq=seq, batch=batch, lr=lr, seed=seed,
-                   replay=replay, measure=seq)
+                   replay=replay, measure=seq, replies=replies)
     partial = out.with_name(out.name + ".partial")
-    key = _key(drafter_dir, records, steps, seq, batch, lr, seed)
+    key = _key(drafter_dir, records, steps, seq, batch, lr, seed, replies)
     info = json.loads((partial / "state.json").read_text()) if (partial / "state.json").exists() else {}
     if info.get("key") == key:
         a.distiller.restore(mx.load(str(partial / "state.safetensors")), info)
@@ -559,6 +560,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=128, help="tokens per training and measured window: a request's "
                                                          "reply and the end of its prompt (default: 128)")
     ap.add_argument("--batch", type=int, default=4, help="windows per training step (default: 4)")
+    ap.add_argument("--train-on", choices=("replies", "all"), default="replies",
+                    help="the positions a window's loss is over: its reply's (the prompt's end before it only the "
+                         "target's context; half the drafter's work) or all (default: replies)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, AdamW (default: 1e-3)")
     ap.add_argument("--seed", type=int, default=0, help="of the windows' order and the replay's (default: 0)")
     ap.add_argument("--general", nargs="+", help="text files or .npy ids it must stay good at (default: 8 modules "
@@ -601,7 +605,7 @@ def main(argv=None) -> int:
               + (f" within {args.minutes:g} minutes" if minutes else ""), flush=True)
         adapt(target, args.drafter, records, general, Path(args.out), steps=args.steps, seq=args.seq,
               batch=args.batch, lr=args.lr, seed=args.seed, minutes=minutes, replay=replay,
-              progress=lambda s: print(s, flush=True))
+              progress=lambda s: print(s, flush=True), replies=args.train_on == "replies")
     except (OSError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 1

@@ -512,3 +512,9 @@ def test_training_is_on_the_replies_the_prompts_end_their_context():
     changed = mx.concatenate([(labels[:, :16] + 1) % 128, labels[:, 16:]], axis=1)
     assert distill.losses(drafter, embeds, hidden, changed, shared, learn.K, start=16)[0].item() == loss.item()
     assert distill.losses(drafter, embeds, hidden, changed, shared, learn.K, start=15)[0].item() != loss.item()
+    train = learn.split(records * 8)[0]
+    for replies, firsts in ((True, learn.reply_starts(train, 16)), (False, [1] * len(train))):
+        a = learn.Adaptation(target, TINY / "dense" / "drafter", records * 8, general(), seq=16, replies=replies)
+        assert a.pool.firsts == firsts and sorted(set(firsts)) == ([4, 5, 6] if replies else [1])
+    assert learn.parse_args(["d", "--out", "o"]).train_on == "replies"
+    assert learn.parse_args(["d", "--out", "o", "--train-on", "all"]).train_on == "all"
