@@ -518,3 +518,14 @@ def test_training_is_on_the_replies_the_prompts_end_their_context():
         assert a.pool.firsts == firsts and sorted(set(firsts)) == ([4, 5, 6] if replies else [1])
     assert learn.parse_args(["d", "--out", "o"]).train_on == "replies"
     assert learn.parse_args(["d", "--out", "o", "--train-on", "all"]).train_on == "all"
+
+
+def test_the_benchs_variants_parse_and_say_what_is_missing():
+    from apps.bench.learn import main, parse_variant
+
+    assert parse_variant("steps=60,lr=1e-3,warmup=5,train_on=all") == dict(steps=60, lr=1e-3, warmup=5,
+                                                                             train_on="all")
+    with pytest.raises(ValueError, match="steps= and lr= are required"):
+        parse_variant("lr=1e-3")
+    with pytest.raises(SystemExit):
+        main(["--variant", "steps=1,lr=1"])  # no --captures
