@@ -281,10 +281,10 @@ def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> d
                 step_s=median(times[1:]), peak_gib=mx.get_peak_memory() / 2**30)
 
 
-def compare(captures: Path, variants: list[dict], held_out: int = 40, seq: int = 128, batch: int = 4,
-            log=print) -> dict:
+def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: int = 800, seq: int = 128,
+            batch: int = 4, log=print) -> dict:
     """Training variants of the adaptation side by side in one process: each from the stock demo drafter
-    on the same batches of the captured requests (their windows and the replay as `learn` makes them),
+    on the same batches of the newest `requests` captured requests (their windows and the replay as `learn` makes them),
     then measured on the same `held_out` held-out requests and the general sample. The target's
     features are computed once and kept for every variant. Times are CPU seconds of this process (what the
     other jobs on a shared machine change least). A variant: steps, lr, warmup, train_on (replies | all),
@@ -298,7 +298,7 @@ def compare(captures: Path, variants: list[dict], held_out: int = 40, seq: int =
 
     target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
     tokenizer = load_tokenizer(path)
-    records = list(capture.read(Path(captures) / "captured"))
+    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
     replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
     a = learn.Adaptation(target, DRAFTER_DIR, records, learn.general_sample(tokenizer, seq=seq), seq=seq,
                          batch=batch, replay=replay)  # its windows and measures, as the real run makes them
@@ -359,9 +359,11 @@ def main(argv=None) -> int:
                     help="steps=N,lr=X[,warmup=N][,train_on=replies|all][,embedding=trained|frozen]"
                          "[,optimizer=adamw|sgd] (repeatable)")
     ap.add_argument("--held-out", type=int, default=40, help="held-out requests measured (default: 40)")
+    ap.add_argument("--requests", type=int, default=800, help="the newest captured requests used, as `python -m "
+                                                              "apps.bench learn --requests` (default: 800)")
     ap.add_argument("--out", help="write the results here as JSON (default: only printed)")
     args = ap.parse_args(argv)
-    res = compare(Path(args.captures), [parse_variant(v) for v in args.variant], args.held_out)
+    res = compare(Path(args.captures), [parse_variant(v) for v in args.variant], args.held_out, args.requests)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
