@@ -493,3 +493,39 @@ def test_the_benchs_c_traffic_is_excerpts_of_c_cut_at_line_ends():
     assert prompts == c_header_prompts(20, seed=3) and prompts != c_header_prompts(20, seed=4)
     assert all(p.endswith("\n") and 0 < len(p) <= 1000 for p in prompts)
     assert sum(("#" in p) or (";" in p) for p in prompts) >= 15  # C: preprocessor lines, statements
+
+
+def test_training_is_on_the_replies_the_prompts_end_their_context():
+    """A window's loss starts at its reply (at most half-way): labels before it change nothing, and the
+    drafter still reads the target's K/V of the prompt's end."""
+    prompt, reply = list(range(3, 43)), list(range(50, 62))  # 40 + 12 tokens
+    records = [capture.Record(np.array(prompt, np.int32), np.array(reply[: 12 - i], np.int32), 0, 0, 0, float(i))
+               for i in range(3)]
+    assert learn.reply_starts(records, 16) == [4, 5, 6] and learn.reply_starts(records, 8) == [1, 1, 1]
+    assert learn.reply_starts(records, 32) == [16, 16, 16]  # a reply shorter than half the window: half-way
+    windows = learn.request_windows(records, 32)
+    target, drafter = tiny_target("dense"), load_model(TINY / "dense" / "drafter", dtype=mx.float32)[0]
+    pool = learn.Pool(target, windows, batch=2, seed=0, firsts=learn.reply_starts(records, 32))
+    assert pool.start(0) == min(learn.reply_starts(records, 32)[i] for i in pool.indices(0))
+    embeds, hidden, labels, shared = pool.features(0)
+    loss = distill.losses(drafter, embeds, hidden, labels, shared, learn.K, start=16)[0]
+    changed = mx.concatenate([(labels[:, :16] + 1) % 128, labels[:, 16:]], axis=1)
+    assert distill.losses(drafter, embeds, hidden, changed, shared, learn.K, start=16)[0].item() == loss.item()
+    assert distill.losses(drafter, embeds, hidden, changed, shared, learn.K, start=15)[0].item() != loss.item()
+    train = learn.split(records * 8)[0]
+    for replies, firsts in ((True, learn.reply_starts(train, 16)), (False, [1] * len(train))):
+        a = learn.Adaptation(target, TINY / "dense" / "drafter", records * 8, general(), seq=16, replies=replies)
+        assert a.pool.firsts == firsts and sorted(set(firsts)) == ([4, 5, 6] if replies else [1])
+    assert learn.parse_args(["d", "--out", "o"]).train_on == "replies"
+    assert learn.parse_args(["d", "--out", "o", "--train-on", "all"]).train_on == "all"
+
+
+def test_the_benchs_variants_parse_and_say_what_is_missing():
+    from apps.bench.learn import main, parse_variant
+
+    assert parse_variant("steps=60,lr=1e-3,warmup=5,train_on=all") == dict(steps=60, lr=1e-3, warmup=5,
+                                                                             train_on="all")
+    with pytest.raises(ValueError, match="steps= and lr= are required"):
+        parse_variant("lr=1e-3")
+    with pytest.raises(SystemExit):
+        main(["--variant", "steps=1,lr=1"])  # no --captures

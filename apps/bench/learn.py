@@ -279,3 +279,95 @@ def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> d
     trained = sum(v.size for _, v in tree_flatten(drafter.trainable_parameters()))
     return dict(shape=shape, batch=batch, seq=seq, train_embedding=train_embedding, params=params, trained=trained,
                 step_s=median(times[1:]), peak_gib=mx.get_peak_memory() / 2**30)
+
+
+def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: int = 800, seq: int = 128,
+            batch: int = 4, log=print) -> dict:
+    """Training variants of the adaptation side by side in one process: each from the stock demo drafter
+    on the same batches of the newest `requests` captured requests (their windows and the replay as `learn` makes them),
+    then measured on the same `held_out` held-out requests and the general sample. The target's
+    features are computed once and kept for every variant. Times are CPU seconds of this process (what the
+    other jobs on a shared machine change least). A variant: steps, lr, warmup, train_on (replies | all),
+    embedding (trained | frozen), optimizer (adamw | sgd: momentum 0.9)."""
+    import mlx.core as mx
+    import mlx.optimizers as optim
+
+    from mlx_mtp import capture, distill, learn
+    from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
+    from mlx_mtp.loading import load_model, load_tokenizer
+
+    target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
+    tokenizer = load_tokenizer(path)
+    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
+    replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
+    a = learn.Adaptation(target, DRAFTER_DIR, records, learn.general_sample(tokenizer, seq=seq), seq=seq,
+                         batch=batch, replay=replay)  # its windows and measures, as the real run makes them
+    a.held.keep(held_out)
+    measures = {"held_out": a.held, "general": a.general}
+
+    def measure(drafter) -> dict:
+        drafter.eval()
+        return {name: [t for i in range(len(m.batches)) for t in m.run(drafter, i)] for name, m in measures.items()}
+
+    before, out = measure(load_model(DRAFTER_DIR, dtype=mx.float32)[0]), []
+    log(f"before: held-out {learn.mean(before['held_out']):.3f}, general {learn.mean(before['general']):.3f} "
+        f"(accepted drafts per round, K={learn.K}; {len(before['held_out'])} held-out requests)")
+    firsts = list(a.pool.firsts)
+    for v in variants:
+        drafter = load_model(DRAFTER_DIR, dtype=mx.float32)[0]
+        d = distill.Distiller(None, drafter, None, steps=v["steps"], k=learn.K, seq=seq, batch=batch, lr=v["lr"],
+                              warmup=v.get("warmup"), train_embedding=v.get("embedding", "trained") == "trained")
+        if v.get("optimizer", "adamw") == "sgd":
+            d.opt = optim.SGD(learning_rate=d._rate, momentum=0.9)
+        a.pool.firsts = firsts if v.get("train_on", "replies") == "replies" else [1] * len(firsts)
+        spent = {"target": 0.0, "drafter": 0.0}
+        for step in range(v["steps"]):
+            began = time.process_time()
+            features = a.pool.features(step)
+            middle = time.process_time()
+            drafter.train()
+            d.learn(features, a.pool.start(step))
+            spent["target"] += middle - began
+            spent["drafter"] += time.process_time() - middle
+        report = learn.verdict(before, measure(drafter))
+        out.append(dict(variant=v, cpu_s={k: round(s, 1) for k, s in spent.items()}, **report))
+        log(f"{v}: drafter {spent['drafter'] / v['steps']:.2f} s CPU a step (the target's features, new ones "
+            f"only: {spent['target']:.0f} s); held-out {report['before']['held_out']:.3f} -> "
+            f"{report['after']['held_out']:.3f} (margin {report['margin']:.3f}), general {report['before']['general']:.3f}"
+            f" -> {report['after']['general']:.3f}")
+    return dict(mode="learn-compare", captures=str(captures), held_out=held_out, results=out)
+
+
+def parse_variant(text: str) -> dict:
+    """'steps=60,lr=1e-3,train_on=all' -> a `compare` variant (steps and lr required)."""
+    v = dict(part.split("=", 1) for part in text.split(",") if part)
+    if "steps" not in v or "lr" not in v:
+        raise ValueError(f"variant {text!r}: steps= and lr= are required")
+    v["steps"], v["lr"] = int(v["steps"]), float(v["lr"])
+    if "warmup" in v:
+        v["warmup"] = int(v["warmup"])
+    return v
+
+
+def main(argv=None) -> int:
+    """`python -m apps.bench.learn --captures DIR --variant SPEC [--variant SPEC ...]`: `compare`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m apps.bench.learn", description=compare.__doc__.splitlines()[0])
+    ap.add_argument("--captures", required=True, help="a `python -m apps.bench learn --captures` directory")
+    ap.add_argument("--variant", action="append", required=True,
+                    help="steps=N,lr=X[,warmup=N][,train_on=replies|all][,embedding=trained|frozen]"
+                         "[,optimizer=adamw|sgd] (repeatable)")
+    ap.add_argument("--held-out", type=int, default=40, help="held-out requests measured (default: 40)")
+    ap.add_argument("--requests", type=int, default=800, help="the newest captured requests used, as `python -m "
+                                                              "apps.bench learn --requests` (default: 800)")
+    ap.add_argument("--out", help="write the results here as JSON (default: only printed)")
+    args = ap.parse_args(argv)
+    res = compare(Path(args.captures), [parse_variant(v) for v in args.variant], args.held_out, args.requests)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

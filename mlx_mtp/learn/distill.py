@@ -197,7 +197,8 @@ def target_pass(target, tokens: mx.array):
 
 
 def losses(drafter, embeds, hidden, labels, shared_kv, k: int, start: int = 1):
-    """(mean CE over steps, per-step CE list, per-step top-1 agreement list)."""
+    """(mean CE over steps, per-step CE list, per-step top-1 agreement list), over the queries from
+    position `start` on."""
     logits = unroll(drafter, embeds, hidden, shared_kv, k, start)
     clusters = cluster_of(drafter) if "masked_embedding" in drafter else None
     T = (logits[0][0] if clusters is not None else logits[0]).shape[1]
@@ -284,8 +285,8 @@ class Distiller:
         self.lr, self.warmup = lr, warmup
         self.opt = optim.AdamW(learning_rate=self._rate, betas=[0.9, 0.95], weight_decay=weight_decay)
 
-        def loss_fn(model, embeds, hidden, labels, shared):
-            loss, ces, agree = losses(model, embeds, hidden, labels, shared, k)
+        def loss_fn(model, embeds, hidden, labels, shared, start):
+            loss, ces, agree = losses(model, embeds, hidden, labels, shared, k, start)
             return loss, (mx.stack(ces), mx.stack(agree))
 
         self._step = nn.value_and_grad(drafter, loss_fn)
@@ -301,9 +302,10 @@ class Distiller:
         """One optimizer step on the next batch: (loss, agreement per draft step)."""
         return self.learn(target_pass(self.target, next(self.data)))
 
-    def learn(self, features: tuple) -> tuple[float, np.ndarray]:
-        """One optimizer step on a batch's target features (`target_pass`)."""
-        (loss, (_, agree)), grads = self._step(self.drafter, *features)
+    def learn(self, features: tuple, start: int = 1) -> tuple[float, np.ndarray]:
+        """One optimizer step on a batch's target features (`target_pass`), the loss over the positions
+        from `start` on (the drafter still reads the target's K/V of every position before)."""
+        (loss, (_, agree)), grads = self._step(self.drafter, *features, start)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         self.opt.update(self.drafter, grads)
         mx.eval(self.drafter.parameters(), self.opt.state, loss, agree)

@@ -137,8 +137,10 @@ class Pool:
     costs only the drafter's. Batches go through the windows epoch by epoch in a seeded order, so a
     step's batch depends only on the step's number (a resumed run sees the same)."""
 
-    def __init__(self, target, windows: Sequence[np.ndarray], batch: int, seed: int, cache_bytes: int = 1 << 30):
+    def __init__(self, target, windows: Sequence[np.ndarray], batch: int, seed: int, cache_bytes: int = 1 << 30,
+                 firsts: Optional[Sequence[int]] = None):
         self.target, self.windows, self.batch, self.seed = target, list(windows), batch, seed
+        self.firsts = list(firsts) if firsts is not None else [1] * len(self.windows)
         self.cache: dict[int, tuple] = {}
         self.cache_bytes, self.cached_bytes = cache_bytes, 0
 
@@ -148,6 +150,10 @@ class Pool:
             epoch, at = divmod(flat, n)
             out.append(int(np.random.default_rng([self.seed, epoch]).permutation(n)[at]))
         return out
+
+    def start(self, step: int) -> int:
+        """The first position step `step`'s loss is over: its windows' earliest first."""
+        return min(self.firsts[i] for i in self.indices(step))
 
     def features(self, step: int) -> tuple:
         """Step `step`'s batch of target features: (embeds, hidden, labels, store K/V)."""
@@ -177,7 +183,7 @@ class Adaptation:
 
     def __init__(self, target, drafter_dir, records: Sequence[capture.Record], general: list, *, steps: int = 300,
                  seq: int = 128, batch: int = 4, lr: float = 1e-3, seed: int = 0, replay: Optional[np.ndarray] = None,
-                 measure: int = 128):
+                 measure: int = 128, replies: bool = True):
         if len(records) < MIN_REQUESTS:
             raise ValueError(f"{len(records)} captured requests; adapting needs at least {MIN_REQUESTS}")
         drafter, self.config, _ = load_model(drafter_dir)
@@ -189,11 +195,13 @@ class Adaptation:
         train, held = split(records)
         self.held, self.general = Measure(target, [window(r, measure) for r in held]), Measure(target, general)
         windows = request_windows(train, seq)
+        firsts = reply_starts(train, seq) if replies else [1] * len(windows)
         captured = len(windows)
         if replay is not None and len(replay) > seq:  # as much of what it was good at: it keeps it (no forgetting)
             starts = np.random.default_rng(seed).integers(0, len(replay) - seq, int(captured * REPLAY_SHARE))
             windows += [replay[s : s + seq] for s in starts]
-        self.pool = Pool(target, windows, batch, seed)
+            firsts += [int(np.median(firsts)) if replies else 1] * len(starts)  # as many positions as a request's
+        self.pool = Pool(target, windows, batch, seed, firsts=firsts)
         self.distiller = distill.Distiller(target, drafter, None, steps=steps, k=K, seq=seq, batch=batch, lr=lr,
                                            seed=seed)
         self.requests, self.tokens = len(train), int(seq * len(windows))
@@ -226,7 +234,7 @@ class Adaptation:
             began = time.perf_counter()
             features = self.pool.features(self.distiller.done)
             middle = time.perf_counter()
-            loss = self.distiller.learn(features)[0]
+            loss = self.distiller.learn(features, self.pool.start(self.distiller.done))[0]
             took = time.perf_counter() - began
             self.times["train_target"] += middle - began
             self.times["train_drafter"] += took - (middle - began)
@@ -302,6 +310,15 @@ def request_windows(records: Sequence[capture.Record], seq: int) -> list[np.ndar
     return [stream[e - seq : e] for e in ends if e >= seq]
 
 
+def reply_starts(records: Sequence[capture.Record], seq: int) -> list[int]:
+    """Where the reply begins in each of `request_windows`' windows (1 where the window is all reply; at
+    most half-way: a short reply's window trains on the prompt's end too): a request's reply is what
+    serving drafts, the prompt's tokens before it are there as the target's context."""
+    ends = np.cumsum([len(r.tokens) for r in records])
+    seq = min(seq, int(ends[-1])) if len(ends) else seq
+    return [min(max(1, seq - len(r.reply)), seq // 2) for r, e in zip(records, ends) if e >= seq]
+
+
 def verdict(before: dict, after: dict) -> dict:
     """The means before and after, the changes' noise margins (`paired_margin`), and `better`: held-out
     acceptance up by more than its margin, the general sample's down by at most GENERAL_DROP beyond its."""
@@ -347,15 +364,16 @@ def _change(before: float, after: float) -> str:
 
 def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 4,
           lr: float = 1e-3, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
-          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print) -> dict:
+          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print, replies: bool = True) -> dict:
     """Adapt within `minutes` (None: unbounded), resuming from `out`.partial if a run with these inputs
-    stopped there; write `out` only if the adapted drafter is better. Returns the report (with `written`)."""
+    stopped there; write `out` only if the adapted drafter is better. `replies`: the loss over each
+    window's reply (else every position). Returns the report (with `written`)."""
     out = Path(out)
     check_out(out, drafter_dir)
     a = Adaptation(target, drafter_dir, records, general, steps=steps, seq=seq, batch=batch, lr=lr, seed=seed,
-                   replay=replay, measure=seq)
+                   replay=replay, measure=seq, replies=replies)
     partial = out.with_name(out.name + ".partial")
-    key = _key(drafter_dir, records, steps, seq, batch, lr, seed)
+    key = _key(drafter_dir, records, steps, seq, batch, lr, seed, replies)
     info = json.loads((partial / "state.json").read_text()) if (partial / "state.json").exists() else {}
     if info.get("key") == key:
         a.distiller.restore(mx.load(str(partial / "state.safetensors")), info)
@@ -542,6 +560,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=128, help="tokens per training and measured window: a request's "
                                                          "reply and the end of its prompt (default: 128)")
     ap.add_argument("--batch", type=int, default=4, help="windows per training step (default: 4)")
+    ap.add_argument("--train-on", choices=("replies", "all"), default="replies",
+                    help="the positions a window's loss is over: its reply's (the prompt's end before it only the "
+                         "target's context; half the drafter's work) or all (default: replies)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, AdamW (default: 1e-3)")
     ap.add_argument("--seed", type=int, default=0, help="of the windows' order and the replay's (default: 0)")
     ap.add_argument("--general", nargs="+", help="text files or .npy ids it must stay good at (default: 8 modules "
@@ -584,7 +605,7 @@ def main(argv=None) -> int:
               + (f" within {args.minutes:g} minutes" if minutes else ""), flush=True)
         adapt(target, args.drafter, records, general, Path(args.out), steps=args.steps, seq=args.seq,
               batch=args.batch, lr=args.lr, seed=args.seed, minutes=minutes, replay=replay,
-              progress=lambda s: print(s, flush=True))
+              progress=lambda s: print(s, flush=True), replies=args.train_on == "replies")
     except (OSError, ValueError) as e:
         print(error_line(e), file=sys.stderr)
         return 1
