@@ -292,7 +292,7 @@ def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: 
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from mlx_mtp import capture, distill, learn
+    from mlx_mtp.learn import capture, distill, learner as learn
     from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
     from mlx_mtp.loading import load_model, load_tokenizer
 
