@@ -24,21 +24,8 @@ MTP_DEVICE void mtp_attention_input(const T* x, const T* norm_w, const uint32_t*
   __shared__ int last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * 16;
-  const T* x_row[MT];
-  mtp_x_rows<T, MT>(x_row, x, 0, M, K, lane);
-  float acc[1][MT][4] = {};
-  float ss[MT] = {};
-  const MtpRows<T> rows[1] = {{w, scales, biases, n0}};
-  mtp_fused_warp<T, BITS, GROUP, MT, NW, DEPTH, 1, true>(acc, ss, rows, norm_w, x_row, K, warp, lane);
-  mtp_row_scales<MT, NW>(inv, red, ss, K, eps, warp, lane);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const float tile[1][4] = {{acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]}};
-    mtp_reduce_tile<NW, 1>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[1]) {
-      const int m = mt * 8 + col;
-      if (m < M) part[(size_t)m * N + n0 + row] = ::mtp_to_float(::mtp_from_float<T>(sums[0] * inv[m]));
-    });
-  }
+  mtp_normed_part<T, BITS, GROUP, MT, NW, DEPTH>(red, inv, x, norm_w, w, scales, biases, part, M, N, K, n0, eps, 1.0f,
+                                                 warp, lane);
   // The block that completes its head goes on; the others are done.
   const int head = n0 / D;
   ::mtp_fence();

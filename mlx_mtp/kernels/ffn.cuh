@@ -69,11 +69,7 @@ MTP_DEVICE void mtp_experts_input(const T* x, const T* norm_w, const int32_t* id
   const size_t words = (size_t)N * K * BITS / 32, groups = (size_t)N * (K / GROUP);
   for (int first = 0; first < count; first += MT * 8) {  // one pass unless an expert has > MT * 8 rows
     const T* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int j = first + mt * 8 + lane / 4;
-      x_row[mt] = j < count ? x + (size_t)(pairs[j] / TOP_K) * K : nullptr;
-    }
+    mtp_expert_x_rows<T, MT>(x_row, x, pairs, first, count, TOP_K, K, lane);
     float acc[2][MT][4] = {};
     float ss[MT] = {};
     const MtpRows<T> rows[2] = {

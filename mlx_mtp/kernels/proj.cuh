@@ -159,3 +159,28 @@ MTP_DEVICE void mtp_row_scales(float* inv, float* red, const float (&ss)[MT], in
   }
   __syncthreads();
 }
+
+// A single-part fused product's first half, shared by the attention input and the router: rows x (M, K)
+// normed by norm_w in the prologue, times the block's 16 weight rows from n0, each sum scaled by its row's
+// 1 / rms and `factor`, rounded to T and written as float to part (M, N) for the epilogue's block.
+// `red`: NW * 128 floats; `inv`: MT * 8.
+template <typename T, int BITS, int GROUP, int MT, int NW, int DEPTH>
+MTP_DEVICE void mtp_normed_part(float* red, float* inv, const T* x, const T* norm_w, const uint32_t* w,
+                                const T* scales, const T* biases, float* part, int M, int N, int K, int n0,
+                                float eps, float factor, int warp, int lane) {
+  const T* x_row[MT];
+  mtp_x_rows<T, MT>(x_row, x, 0, M, K, lane);
+  float acc[1][MT][4] = {};
+  float ss[MT] = {};
+  const MtpRows<T> rows[1] = {{w, scales, biases, n0}};
+  mtp_fused_warp<T, BITS, GROUP, MT, NW, DEPTH, 1, true>(acc, ss, rows, norm_w, x_row, K, warp, lane);
+  mtp_row_scales<MT, NW>(inv, red, ss, K, eps, warp, lane);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const float tile[1][4] = {{acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]}};
+    mtp_reduce_tile<NW, 1>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[1]) {
+      const int m = mt * 8 + col;
+      if (m < M) part[(size_t)m * N + n0 + row] = ::mtp_to_float(::mtp_from_float<T>(sums[0] * inv[m] * factor));
+    });
+  }
+}

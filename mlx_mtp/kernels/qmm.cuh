@@ -195,6 +195,18 @@ MTP_DEVICE void mtp_x_rows(const T* (&x_row)[MT], const T* x, int first, int M, 
   }
 }
 
+// The x rows a lane loads for an expert's pairs: pair j = first + mt * 8 + lane / 4 reads x row pairs[j] / div
+// (a token's row, or its (token, k) row when div is 1; nullptr past count).
+template <typename T, int MT>
+MTP_DEVICE void mtp_expert_x_rows(const T* (&x_row)[MT], const T* x, const int* pairs, int first, int count, int div,
+                                  int K, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int j = first + mt * 8 + lane / 4;
+    x_row[mt] = j < count ? x + (size_t)(pairs[j] / div) * K : nullptr;
+  }
+}
+
 // y (M, N) = x (M, K) @ W.T: block b owns rows 16b .. 16b + 15 of W.
 template <typename T, int BITS, int GROUP, int MT, int NW, int DEPTH>
 MTP_DEVICE void mtp_qmm_dense(const T* x, const uint32_t* w, const T* scales, const T* biases, T* y, int M, int N,
@@ -277,11 +289,7 @@ MTP_DEVICE void mtp_qmm_experts(const T* x, const int32_t* ids, const uint32_t* 
   const size_t words = (size_t)N * K * BITS / 32, groups = (size_t)N * (K / GROUP);
   for (int first = 0; first < count; first += MT * 8) {  // one pass unless an expert has > MT * 8 rows
     const T* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int j = first + mt * 8 + lane / 4;
-      x_row[mt] = j < count ? x + (size_t)(rows[j] / XDIV) * K : nullptr;
-    }
+    mtp_expert_x_rows<T, MT>(x_row, x, rows, first, count, XDIV, K, lane);
     float acc[PARTS][MT][4] = {};
     mtp_qmm_warp<T, BITS, GROUP, MT, NW, DEPTH>(acc[0], w + expert * words, scales + expert * groups,
                                          biases + expert * groups, x_row, n0, K, warp, lane);

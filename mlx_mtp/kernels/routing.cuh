@@ -21,22 +21,8 @@ MTP_DEVICE void mtp_router(const T* x, const T* scale, const uint32_t* w, const 
   __shared__ int last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * 16;
-  const T* x_row[MT];
-  mtp_x_rows<T, MT>(x_row, x, 0, M, K, lane);
-  float acc[1][MT][4] = {};
-  float ss[MT] = {};
-  const MtpRows<T> rows[1] = {{w, scales, biases, n0}};
-  mtp_fused_warp<T, BITS, GROUP, MT, NW, DEPTH, 1, true>(acc, ss, rows, scale, x_row, K, warp, lane);
-  mtp_row_scales<MT, NW>(inv, red, ss, K, eps, warp, lane);
-  const float root = ::mtp_rsqrt((float)K);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const float tile[1][4] = {{acc[0][mt][0], acc[0][mt][1], acc[0][mt][2], acc[0][mt][3]}};
-    mtp_reduce_tile<NW, 1>(red, tile, warp, lane, [&](int row, int col, const float (&sums)[1]) {
-      const int m = mt * 8 + col;
-      if (m < M) part[(size_t)m * E + n0 + row] = ::mtp_to_float(::mtp_from_float<T>(sums[0] * inv[m] * root));
-    });
-  }
+  mtp_normed_part<T, BITS, GROUP, MT, NW, DEPTH>(red, inv, x, scale, w, scales, biases, part, M, E, K, n0, eps,
+                                                 ::mtp_rsqrt((float)K), warp, lane);
   ::mtp_fence();
   __syncthreads();
   if (threadIdx.x == 0) last = ::mtp_atomic_add(done, 1) == E / 16 - 1;
