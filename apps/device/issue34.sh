@@ -5,18 +5,8 @@
 # the later ones still run.   run: bash apps/device/issue34.sh   (carry: .gpu, .ptx)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 started=$(date +%s)
-. .gpu/on-device.sh > "$OUT/run.log" 2>&1 || { cat "$OUT/run.log"; exit 1; }
-# MLX's compiled kernels: a previous call's (.ptx/ptx-cache.tgz, carried), else the committed one of MLX 0.32.4
-# on an H200 (its CuTe matmuls take tens of seconds each to compile on a fresh machine)
-cache=.ptx/ptx-cache.tgz; [ -f "$cache" ] || cache=apps/device/ptx-cache-mlx-0.32.4-h200.tgz
-if [ -f "$cache" ]; then
-  mkdir -p "$MLX_PTX_CACHE_DIR" && tar -C "$MLX_PTX_CACHE_DIR" -xzf "$cache"
-  echo "PTX cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) files restored from $cache" >> "$OUT/run.log"
-fi
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$OUT/run.log" 2>&1
-cat "$OUT/run.log"
+. apps/device/setup.sh
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit}s) at $(( $(date +%s) - started ))s" | tee -a "$OUT/run.log"

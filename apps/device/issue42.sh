@@ -14,16 +14,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 DEADLINE=${DEADLINE:-470}
-mkdir -p "$OUT"
 started=$(date +%s)
-. .gpu/on-device.sh > "$OUT/run.log" 2>&1 || { cat "$OUT/run.log"; exit 1; }
-cache=.ptx/ptx-cache.tgz; [ -f "$cache" ] || cache=apps/device/ptx-cache-mlx-0.32.4-h200.tgz
-if [ -f "$cache" ]; then
-  mkdir -p "$MLX_PTX_CACHE_DIR" && tar -C "$MLX_PTX_CACHE_DIR" -xzf "$cache"
-  echo "PTX cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) files restored from $cache" >> "$OUT/run.log"
-fi
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$OUT/run.log" 2>&1
-cat "$OUT/run.log"
+. apps/device/setup.sh
 elapsed() { echo $(( $(date +%s) - started )); }
 stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, never past the deadline
   local name=$1 limit=$2; shift 2

@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .base import BaseConfig, ConfigError, rms_norm
-from .gemma4 import attention, gelu_tanh_glu
+from .base import BaseConfig, ConfigError, gelu_tanh_glu, rms_norm
+from .gemma4 import attention
 
 
 @dataclasses.dataclass
