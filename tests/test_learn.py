@@ -7,6 +7,7 @@ import hashlib
 import logging
 import subprocess
 import sys
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -451,6 +452,26 @@ def test_the_target_features_kept_are_the_ones_computed_afresh(adapted):
     assert 0 < pool.cached_bytes <= 3 * 100_000
 
 
+def test_features_computed_ahead_on_a_thread_train_the_same_drafter(adapted, tmp_path, monkeypatch):
+    """The next step's target features on a worker thread, while the drafter trains on this step's:
+    the same drafter, bitwise, as computing each batch when its step comes."""
+    pass_, threads = distill.target_pass, set()
+
+    def noted(target, tokens):
+        threads.add(threading.current_thread() is threading.main_thread())
+        return pass_(target, tokens)
+
+    monkeypatch.setattr(distill, "target_pass", noted)
+    records = adapted[3]
+    serial, _ = run_adapt(records, tmp_path / "serial", ahead=False)
+    assert threads == {True}
+    ahead, _ = run_adapt(records, tmp_path / "ahead", ahead=True)
+    assert threads == {True, False}  # the steps' features did come from the worker
+    assert serial["written"] and ahead["written"] and ahead["after"] == serial["after"]
+    a, b = (mx.load(str(tmp_path / d / "model.safetensors")) for d in ("serial", "ahead"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
 def test_minutes_bound_the_whole_run_and_progress_says_how_long(monkeypatch, tmp_path):
     """A target slowed to 0.5 s a forward and an 8 s budget (2 s to measure before): not all three held-out
     batches measured, training cut to what fits, the run within its time; a line before any work, then
@@ -529,3 +550,7 @@ def test_the_benchs_variants_parse_and_say_what_is_missing():
         parse_variant("lr=1e-3")
     with pytest.raises(SystemExit):
         main(["--variant", "steps=1,lr=1"])  # no --captures
+    with pytest.raises(SystemExit):
+        main(["--captures", "d"])  # neither variants nor --ahead-steps
+    with pytest.raises(SystemExit):
+        main(["--captures", "d", "--variant", "steps=1,lr=1", "--ahead-steps", "2"])  # both

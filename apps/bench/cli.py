@@ -200,9 +200,12 @@ def parser() -> argparse.ArgumentParser:
     L.add_argument("--captures", help="a working directory to reuse: the tuned target, the captured requests "
                                       "(served into when short of --requests), the adapted drafter")
     L.add_argument("--tune-steps", type=int,
-                   help="fine-tune the demo target on tool-call transcripts first, so that it answers them in "
-                        "kind (0: the shipped target, which answers every prompt with stdlib-style code; "
-                        "default: 40 with --traffic tool-calls, else 0)")
+                   help="fine-tune the demo target on the traffic's kind of text first (tool-call transcripts, "
+                        "or the C headers), so that it answers it in kind (0: the shipped target, which answers "
+                        "every prompt with stdlib-style code; default: 40 with --traffic tool-calls, else 0)")
+    L.add_argument("--serve-only", action="store_true",
+                   help="tune and serve (into --captures), then stop: the adaptation can then run in another "
+                        "regime (default: off)")
     L.add_argument("--steps", type=int, default=300, help="training steps at most (default: 300)")
     L.add_argument("--minutes", type=float, default=15.0,
                    help="the adaptation's whole time, measuring before and after included, as "

@@ -66,15 +66,21 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[str]:
     return [prompt for prompt, _ in tool_call_transcripts(n, seed)]
 
 
-def c_header_prompts(n: int, seed: int = 0, chars: int = 1000) -> list[str]:
-    """`n` excerpts of C code (this Python's own C API headers, `sysconfig`'s include directory: C that any
-    Python install has and the demo pair never saw), each about `chars` long and cut at a line's end."""
+def c_headers(chars: int = 1000) -> list[str]:
+    """This Python's own C API headers (`sysconfig`'s include directory: C that any Python install has and
+    the demo pair never saw) longer than 2 * `chars`."""
     import sysconfig
 
     headers = sorted(Path(sysconfig.get_paths()["include"]).rglob("*.h"))
     texts = [t for t in (h.read_text(encoding="utf-8", errors="replace") for h in headers) if len(t) > 2 * chars]
     if not texts:
         raise FileNotFoundError(f"no C headers under {sysconfig.get_paths()['include']} (install Python's headers)")
+    return texts
+
+
+def c_header_prompts(n: int, seed: int = 0, chars: int = 1000) -> list[str]:
+    """`n` excerpts of C code (`c_headers`), each about `chars` long and cut at a line's end."""
+    texts = c_headers(chars)
     rng, out = np.random.default_rng(seed), []
     for _ in range(n):
         text = texts[int(rng.integers(len(texts)))]
@@ -84,10 +90,11 @@ def c_header_prompts(n: int, seed: int = 0, chars: int = 1000) -> list[str]:
     return out
 
 
-def tuned_target(folder: Path, steps: int, log) -> Path:
-    """The demo target fine-tuned for `steps` on tool-call transcripts, half of each batch stdlib code as
-    before (kept in `folder`/target and reused): a target that answers such prompts in kind, as a real
-    one does, while its drafter only ever saw stdlib code. Next-token loss, AdamW at 3e-4, fp32."""
+def tuned_target(folder: Path, steps: int, log, traffic: str = "tool-calls") -> Path:
+    """The demo target fine-tuned for `steps` on the `traffic`'s kind of text (tool-call transcripts, or the
+    C headers the C prompts are excerpts of), half of each batch stdlib code as before (kept in
+    `folder`/target and reused): a target that answers such prompts in kind, as a real one does, while its
+    drafter only ever saw stdlib code. Next-token loss, AdamW at 3e-4, fp32."""
     import shutil
 
     import mlx.core as mx
@@ -102,7 +109,8 @@ def tuned_target(folder: Path, steps: int, log) -> Path:
     if (out / "model.safetensors").exists():
         return out
     tokenizer = load_demo(mtp=False).tokenizer
-    texts = [prompt + reply for prompt, reply in tool_call_transcripts(1000, seed=1234)]
+    texts = ([prompt + reply for prompt, reply in tool_call_transcripts(1000, seed=1234)] if traffic == "tool-calls"
+             else c_headers())
     ids = np.concatenate([np.asarray(tokenizer.encode(t), np.int32) for t in texts])
     code = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
     target = load_model(TARGET_DIR, dtype=mx.float32)[0]
@@ -115,7 +123,7 @@ def tuned_target(folder: Path, steps: int, log) -> Path:
         opt.update(target, optim.clip_grad_norm(grads, 1.0)[0])
         mx.eval(target.parameters(), opt.state, loss)
         if (i + 1) % 10 == 0 or i + 1 == steps:
-            log(f"  tuning the target on tool calls: step {i + 1}/{steps}, loss {loss.item():.3f} "
+            log(f"  tuning the target on {TRAFFIC[traffic]}: step {i + 1}/{steps}, loss {loss.item():.3f} "
                 f"({time.perf_counter() - started:.0f} s)")
     temp = folder / "target.tmp"
     shutil.rmtree(temp, ignore_errors=True)
@@ -177,7 +185,7 @@ def run_learn(args, log=print) -> dict:
     folder = Path(args.captures or tempfile.mkdtemp(prefix="mlx_mtp-learn-"))
     folder.mkdir(parents=True, exist_ok=True)
     tune = args.tune_steps if args.tune_steps is not None else (40 if args.traffic == "tool-calls" else 0)
-    target_dir = tuned_target(folder, tune, log) if tune else TARGET_DIR
+    target_dir = tuned_target(folder, tune, log, args.traffic) if tune else TARGET_DIR
     loaded = load(target_dir, DRAFTER_DIR, dtype=mx.float32)
     res = dict(mode="learn", requests=args.requests, max_tokens=args.max_tokens, captures=str(folder),
                temperature=args.temperature, tune_steps=tune, traffic=args.traffic)
@@ -188,6 +196,8 @@ def run_learn(args, log=print) -> dict:
         log(f"serving {args.requests - have} {TRAFFIC[args.traffic]} through the demo pair, kept in {kept}")
         res["serve_s"] = capture_traffic(loaded, prompts[have:], kept, args.max_tokens, args.temperature, log)
     records = sorted(capture.read(kept), key=lambda r: r.time)[-args.requests :]
+    if args.serve_only:
+        return res
     res["tokens"] = int(sum(len(r.prompt) + len(r.reply) for r in records))
     res["served_acceptance"] = sum(r.accepted for r in records) / max(1, sum(r.rounds for r in records))
     started = time.perf_counter()  # --minutes bounds the adaptation from here, as `mlx_mtp.learn`'s whole run
@@ -218,12 +228,15 @@ def learn_md(res: dict) -> str:
                  f"{r['peak_gib']:.2f} GiB"] for r in res["real_step"]]
         return section("Learn: one distillation step at a released assistant's size",
                        table(["assistant", "tokens", "embedding", "params / trained", "step", "peak memory"], rows))
+    if "adapt" not in res:  # --serve-only
+        return section(f"Learn: {res['requests']} {TRAFFIC[res['traffic']]} served into {res['captures']}",
+                       f"Tuned {res['tune_steps']} steps; serving took {res.get('serve_s', 0):.0f} s.")
     a = res["adapt"]
     rows = [["held-out requests", f"{a['before']['held_out']:.3f}", f"{a['after']['held_out']:.3f}",
              f"{a['after']['held_out'] - a['before']['held_out']:+.3f} (margin {a['margin']:.3f})"],
             ["general sample (stdlib)", f"{a['before']['general']:.3f}", f"{a['after']['general']:.3f}",
              f"{a['after']['general'] - a['before']['general']:+.3f}"]]
-    target = f"tuned on tool calls for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
+    target = f"tuned on {TRAFFIC[res['traffic']]} for {res['tune_steps']} steps" if res["tune_steps"] else "as shipped"
     times = ", ".join(f"{name.replace('_', ' ')} {s:.0f} s" for name, s in a.get("times", {}).items())
     walls = [f"- held-out prompts at B=1, drafter {when}: plain {w['plain']:.1f} tok/s, MTP auto "
              f"{w['auto']:.1f} tok/s ({w['auto'] / w['plain']:.2f}x), equals plain: {w['equals_plain']}"
@@ -338,6 +351,41 @@ def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: 
     return dict(mode="learn-compare", captures=str(captures), held_out=held_out, results=out)
 
 
+def ahead_speed(captures: Path, steps: int = 8, repeats: int = 2, requests: int = 800, seq: int = 128,
+                batch: int = 4, log=print) -> dict:
+    """Training steps of the adaptation with the next step's target features computed ahead on a thread
+    of their own, and without: `steps` fresh steps each (first-epoch batches: their features not yet
+    kept), the two alternating `repeats` times, wall seconds a step (median), and whether they trained
+    the same (the last loss)."""
+    import mlx.core as mx
+
+    from mlx_mtp.learn import capture, distill, learner as learn
+    from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
+    from mlx_mtp.loading import load_model, load_tokenizer
+
+    target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
+    tokenizer = load_tokenizer(path)
+    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
+    general = learn.general_sample(tokenizer, seq=seq)
+    replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
+    seconds, losses = {False: [], True: []}, {}
+    for _ in range(repeats):
+        for ahead in (False, True):
+            a = learn.Adaptation(target, DRAFTER_DIR, records, general, steps=steps, seq=seq, batch=batch,
+                                 replay=replay, ahead=ahead)
+            a.before, a.budget = {}, None  # training alone: no measuring, no time bound
+            began = time.perf_counter()
+            losses[ahead] = list(a._train(learn.Ahead(a.pool, ahead)))[-1]
+            seconds[ahead].append((time.perf_counter() - began) / steps)
+            log(f"features ahead: {ahead}: {seconds[ahead][-1]:.2f} s a step (waiting for the target's features "
+                f"{a.times['train_target'] / steps:.2f} s), last loss {losses[ahead]:.5f}")
+    serial, ahead = (float(np.median(seconds[k])) for k in (False, True))
+    log(f"median of {repeats}: {serial:.2f} -> {ahead:.2f} s a step ({serial / ahead:.2f}x), "
+        f"same training: {losses[False] == losses[True]}")
+    return dict(mode="learn-ahead", steps=steps, repeats=repeats, serial_s=serial, ahead_s=ahead,
+                same=losses[False] == losses[True])
+
+
 def parse_variant(text: str) -> dict:
     """'steps=60,lr=1e-3,train_on=all' -> a `compare` variant (steps and lr required)."""
     v = dict(part.split("=", 1) for part in text.split(",") if part)
@@ -350,20 +398,29 @@ def parse_variant(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    """`python -m apps.bench.learn --captures DIR --variant SPEC [--variant SPEC ...]`: `compare`."""
+    """`python -m apps.bench.learn --captures DIR --variant SPEC [--variant SPEC ...]`: `compare`;
+    `--ahead-steps N` instead: `ahead_speed`."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m apps.bench.learn", description=compare.__doc__.splitlines()[0])
     ap.add_argument("--captures", required=True, help="a `python -m apps.bench learn --captures` directory")
-    ap.add_argument("--variant", action="append", required=True,
+    ap.add_argument("--variant", action="append",
                     help="steps=N,lr=X[,warmup=N][,train_on=replies|all][,embedding=trained|frozen]"
                          "[,optimizer=adamw|sgd] (repeatable)")
     ap.add_argument("--held-out", type=int, default=40, help="held-out requests measured (default: 40)")
     ap.add_argument("--requests", type=int, default=800, help="the newest captured requests used, as `python -m "
                                                               "apps.bench learn --requests` (default: 800)")
+    ap.add_argument("--ahead-steps", type=int, help="instead of variants: time this many training steps with the "
+                                                     "target's features computed ahead and without (`ahead_speed`)")
+    ap.add_argument("--repeats", type=int, default=2, help="with --ahead-steps: runs of each (default: 2)")
     ap.add_argument("--out", help="write the results here as JSON (default: only printed)")
     args = ap.parse_args(argv)
-    res = compare(Path(args.captures), [parse_variant(v) for v in args.variant], args.held_out, args.requests)
+    if (args.variant is None) == (args.ahead_steps is None):
+        ap.error("give --variant (one or more) or --ahead-steps")
+    if args.ahead_steps is not None:
+        res = ahead_speed(Path(args.captures), args.ahead_steps, args.repeats, args.requests)
+    else:
+        res = compare(Path(args.captures), [parse_variant(v) for v in args.variant], args.held_out, args.requests)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

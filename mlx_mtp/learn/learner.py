@@ -36,7 +36,8 @@ import numpy as np
 from . import capture, distill
 from ..cli import demo_pair, error_line, prog_name
 from ..loading import load_model, load_tokenizer, read_config, resolve
-from ..models.base import SharedKV
+from ..models.base import SharedKV, cpu_stream_count
+from ..runtime.threads import mark_mlx_thread
 
 log = logging.getLogger("mlx_mtp")
 
@@ -175,6 +176,44 @@ class Pool:
         return stack(0), stack(1), stack(2), shared
 
 
+class Ahead:
+    """The pool's batches of target features in step order. With `on`, the next step's is computed on a
+    thread of its own while the drafter trains on this one: on MLX's CPU backend a stream runs its work
+    on one thread, so the target's forward and the drafter's step then take a core each (the same
+    kernels on the same inputs: the features are bitwise the serial ones)."""
+
+    def __init__(self, pool: Pool, on: bool):
+        self.pool, self.pending = pool, None  # (step, future) computed ahead
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, "mlx_mtp-features", mark_mlx_thread) if on else None
+
+    def get(self, step: int, then: Optional[int]) -> tuple:
+        """Step `step`'s features; then start on step `then`'s (None: no next step)."""
+        ready = self._take(step)
+        got = ready if ready is not None else self.pool.features(step)
+        if self.worker is not None and then is not None:
+            self.pending = (then, self.worker.submit(self._computed, then))
+        return got
+
+    def close(self) -> None:
+        self._take(None)
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+
+    def _take(self, step: Optional[int]) -> Optional[tuple]:
+        """The features computed ahead if they are step `step`'s (waited for either way: the pool is
+        one thread's at a time)."""
+        if self.pending is None:
+            return None
+        (ahead, future), self.pending = self.pending, None
+        got = future.result()
+        return got if ahead == step else None
+
+    def _computed(self, step: int) -> tuple:
+        got = self.pool.features(step)
+        mx.eval(got[:3], [tuple(kv) for kv in got[3].values()])  # here, on this thread's stream
+        return got
+
+
 class Adaptation:
     """One adaptation: a float copy of the drafter distilled on the captured requests, measured before
     and after on the held-out ones and the general sample (accepted drafts per greedy round of K).
@@ -183,7 +222,7 @@ class Adaptation:
 
     def __init__(self, target, drafter_dir, records: Sequence[capture.Record], general: list, *, steps: int = 300,
                  seq: int = 128, batch: int = 4, lr: float = 1e-3, seed: int = 0, replay: Optional[np.ndarray] = None,
-                 measure: int = 128, replies: bool = True):
+                 measure: int = 128, replies: bool = True, ahead: Optional[bool] = None):
         if len(records) < MIN_REQUESTS:
             raise ValueError(f"{len(records)} captured requests; adapting needs at least {MIN_REQUESTS}")
         drafter, self.config, _ = load_model(drafter_dir)
@@ -202,6 +241,8 @@ class Adaptation:
             windows += [replay[s : s + seq] for s in starts]
             firsts += [int(np.median(firsts)) if replies else 1] * len(starts)  # as many positions as a request's
         self.pool = Pool(target, windows, batch, seed, firsts=firsts)
+        # the next step's features on another core: where the CPU computes and has a core to spare
+        self.ahead = mx.default_device() == mx.cpu and cpu_stream_count() > 1 if ahead is None else ahead
         self.distiller = distill.Distiller(target, drafter, None, steps=steps, k=K, seq=seq, batch=batch, lr=lr,
                                            seed=seed)
         self.requests, self.tokens = len(train), int(seq * len(windows))
@@ -229,20 +270,11 @@ class Adaptation:
         self.held.keep(len(self.before["held_out"]))  # the sample measured before, measured after
         self.phase = "training"
         yield None  # the phase's first line, before its first step
-        while not self.trained and self._time_for_a_step():
-            self.drafter.train()
-            began = time.perf_counter()
-            features = self.pool.features(self.distiller.done)
-            middle = time.perf_counter()
-            loss = self.distiller.learn(features, self.pool.start(self.distiller.done))[0]
-            took = time.perf_counter() - began
-            self.times["train_target"] += middle - began
-            self.times["train_drafter"] += took - (middle - began)
-            self.step_seconds = took if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * took
-            if self.budget is not None and self.distiller.done >= 2:  # the schedule: the steps that fit, as now timed
-                fit = self.distiller.done + int(self._left() / self.step_seconds)
-                self.distiller.steps = max(self.distiller.done, min(self.max_steps, fit))
-            yield loss
+        ahead = Ahead(self.pool, self.ahead)
+        try:
+            yield from self._train(ahead)
+        finally:
+            ahead.close()
         self.phase, self.measured, self.to_measure = "measuring after", 0, len(self.held) + len(self.general)
         began = time.perf_counter()
         after = {"held_out": [], "general": []}
@@ -258,6 +290,24 @@ class Adaptation:
         self.times["measure_drafter"] = self.held.seconds["drafter"] + self.general.seconds["drafter"]
         self.report.update(k=K, steps=self.distiller.done, train_requests=self.requests, train_tokens=self.tokens,
                            times={k: round(v, 1) for k, v in self.times.items()})
+
+    def _train(self, ahead: Ahead) -> Iterator[float]:
+        """Training steps while they fit; yields each one's loss. The target's time is what a step
+        waited for its features (with `ahead`, only what the drafter's step did not cover)."""
+        while not self.trained and self._time_for_a_step():
+            self.drafter.train()
+            began, done = time.perf_counter(), self.distiller.done
+            features = ahead.get(done, done + 1 if done + 1 < self.distiller.steps else None)
+            middle = time.perf_counter()
+            loss = self.distiller.learn(features, self.pool.start(done))[0]
+            took = time.perf_counter() - began
+            self.times["train_target"] += middle - began
+            self.times["train_drafter"] += took - (middle - began)
+            self.step_seconds = took if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * took
+            if self.budget is not None and self.distiller.done >= 2:  # the schedule: the steps that fit, as now timed
+                fit = self.distiller.done + int(self._left() / self.step_seconds)
+                self.distiller.steps = max(self.distiller.done, min(self.max_steps, fit))
+            yield loss
 
     def _measure_before(self) -> Iterator[None]:
         self.drafter.eval()
@@ -364,14 +414,16 @@ def _change(before: float, after: float) -> str:
 
 def adapt(target, drafter_dir, records, general, out: Path, *, steps: int = 300, seq: int = 128, batch: int = 4,
           lr: float = 1e-3, seed: int = 0, minutes: Optional[float] = None, checkpoint_every: int = 25,
-          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print, replies: bool = True) -> dict:
+          replay: Optional[np.ndarray] = None, progress: Callable[[str], None] = print, replies: bool = True,
+          ahead: Optional[bool] = None) -> dict:
     """Adapt within `minutes` (None: unbounded), resuming from `out`.partial if a run with these inputs
     stopped there; write `out` only if the adapted drafter is better. `replies`: the loss over each
-    window's reply (else every position). Returns the report (with `written`)."""
+    window's reply (else every position); `ahead`: the next step's features on a thread of their own
+    (None: on a CPU with a core to spare). Returns the report (with `written`)."""
     out = Path(out)
     check_out(out, drafter_dir)
     a = Adaptation(target, drafter_dir, records, general, steps=steps, seq=seq, batch=batch, lr=lr, seed=seed,
-                   replay=replay, measure=seq, replies=replies)
+                   replay=replay, measure=seq, replies=replies, ahead=ahead)
     partial = out.with_name(out.name + ".partial")
     key = _key(drafter_dir, records, steps, seq, batch, lr, seed, replies)
     info = json.loads((partial / "state.json").read_text()) if (partial / "state.json").exists() else {}
@@ -516,7 +568,8 @@ class Learner:
                     return
                 self.inputs = None
                 self.adaptation = Adaptation(self.loaded.target, self.drafter_dir, records, general, steps=self.steps,
-                                             seq=self.seq, batch=self.batch, measure=self.seq, replay=replay)
+                                             seq=self.seq, batch=self.batch, measure=self.seq, replay=replay,
+                                             ahead=False)  # no target forward beside the requests' own
                 self.pieces = self.adaptation.work()
             else:
                 next(self.pieces)
