@@ -34,6 +34,7 @@ from .distributed.group import Group, launched
 from .loading import Loaded, load
 from .engine.requests import ContextLengthError, Request, TokenEvent
 from .decode.sample import SamplingParams
+from .decode.speculative import policy_for
 from .decode.stats import Stats
 
 
@@ -291,6 +292,22 @@ def answer(session: Session, text: str, options: dict) -> None:
         print(session.note, file=sys.stderr, flush=True)
     if replied and session.last_stats is not None:
         print(stat_line(session.last_stats), file=sys.stderr, flush=True)
+        if options.get("draft_tokens") == "auto" and (why := why_plain(session.loaded.drafter, session.last_stats)):
+            print(why, file=sys.stderr, flush=True)
+
+
+def why_plain(drafter, s: Stats) -> Optional[str]:
+    """Where `auto` kept mostly to plain steps although the reply tried MTP rounds: what it measured
+    on this machine (drafting that does not pay here is not used; a fixed --draft-tokens still drafts)."""
+    measured = policy_for(drafter, "auto").speeds(1) if drafter is not None and s.rounds else None
+    if measured is None or 2 * s.plain_steps < s.emitted - 1:
+        return None
+    plain, k, drafting = measured
+    if drafting >= plain:
+        return None
+    drafts = f"{k} draft{'s' if k != 1 else ''}"
+    return (f"[auto kept to plain steps: on this machine they measured {plain:.0f} tok/s, rounds of {drafts} an "
+            f"expected {drafting:.0f}; --draft-tokens {k} drafts anyway]")
 
 
 class Console:

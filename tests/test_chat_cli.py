@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.nn as nn
 import pytest
 from chat_helpers import DRAFTER, make_chat_model
 
@@ -82,7 +83,7 @@ def test_undecodable_prompt_argument_is_replaced(models, loaded):
     assert rc == 0 and "Traceback" not in err, err
     assert out == replies(loaded, ["a\ufffd"], 12)[0] + "\n"
     assert "reply cut" not in err  # ended by --max-tokens, not the context
-    total, from_rounds, from_plain = stat_counts(err.splitlines()[-1])
+    total, from_rounds, from_plain = stat_counts([line for line in err.splitlines() if " tokens: " in line][-1])
     assert total == 1 + from_rounds + from_plain  # the first token comes from the prefill
 
 
@@ -130,6 +131,35 @@ def test_a_drafter_given_as_the_model_is_named(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.endswith("is an MTP drafter (gemma4_assistant), not a target model; pass it as the drafter\n")
+
+
+def test_auto_says_why_it_kept_to_plain_steps_with_what_it_measured():
+    """After a reply that tried MTP rounds but came mostly from plain steps, `auto`'s measures on this machine
+    (plain steps faster than the best draft length's expected rate); nothing where drafting won or was not
+    measured, and the draft length named is the one it would pick."""
+    from mlx_mtp.decode.speculative import DraftPolicy, policy_for
+
+    drafter = nn.Linear(1, 1)  # any object a policy can be kept for
+    policy, tried = policy_for(drafter, "auto"), Stats(emitted=100, rounds=6, plain_steps=90, drafted=6, accepted=3)
+    assert chat.why_plain(drafter, tried) is None  # nothing measured yet
+    for _ in range(3):
+        policy.observe(1, 0, [0], 0.010)  # plain: 100 tok/s
+        policy.observe(1, 1, [0], 0.019)  # one draft, rarely accepted
+        policy.observe(1, 2, [0], 0.028)
+    line = chat.why_plain(drafter, tried)
+    plain, k, drafting = policy.speeds(1)
+    assert round(plain) == 100 and drafting < plain and k == max(range(1, policy.k_max + 1),
+                                                                 key=lambda j: policy.rate(1, j))
+    assert line == (f"[auto kept to plain steps: on this machine they measured 100 tok/s, rounds of {k} draft"
+                    f"{'s' if k != 1 else ''} an expected {drafting:.0f}; --draft-tokens {k} drafts anyway]")
+    assert chat.why_plain(drafter, Stats(emitted=100, rounds=40, plain_steps=10, drafted=80, accepted=60)) is None
+    assert chat.why_plain(drafter, Stats(emitted=100, plain_steps=99)) is None  # no round tried: nothing to say
+    assert chat.why_plain(None, tried) is None
+    fast = DraftPolicy("auto")
+    for _ in range(3):
+        fast.observe(1, 0, [0], 0.010)
+        fast.observe(1, 1, [1], 0.011)
+    assert fast.speeds(1)[2] > fast.speeds(1)[0]  # drafting that pays is not reported as slower
 
 
 def test_stat_line_names_every_tokens_origin_every_time():

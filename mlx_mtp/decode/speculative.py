@@ -349,6 +349,16 @@ class DraftPolicy:
         self.decided[rows] = (best, age + 1, members)
         return best
 
+    def speeds(self, rows: int = 1) -> Optional[tuple[float, int, float]]:
+        """(plain steps' tokens per second, the best draft length, its expected tokens per second) at
+        `rows` rows, as measured so far; None until plain steps and a drafted round are timed there."""
+        with self.lock:
+            cost = self.cost
+            if (rows, 0) not in cost or not any(r == rows and k > 0 for r, k in cost):
+                return None
+            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost))
+            return self.rate(rows, 0, cost), best, self.rate(rows, best, cost)
+
     def rate(self, rows: int, k: int, cost: Optional[dict] = None, members: Sequence[Member] = ()) -> float:
         """Expected tokens per second of a round of K drafts (at least the rows' fixed lengths)."""
         wide = self.accept
