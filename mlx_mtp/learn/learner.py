@@ -403,8 +403,8 @@ def where_the_time_went(report: dict) -> str:
     t = report["times"]
     before = f"measuring before {t['measure_before']:.0f} s, " if "measure_before" in t else ""
     return (f"{report['seconds']:.0f} s: {before}training {report['steps']} steps "
-            f"{t['train_target'] + t['train_drafter']:.0f} s (the target's features {t['train_target']:.0f} s, "
-            f"the drafter's steps {t['train_drafter']:.0f} s), measuring after {t['measure_after']:.0f} s; measuring "
+            f"{t['train_target'] + t['train_drafter']:.0f} s (waiting for the target's features "
+            f"{t['train_target']:.0f} s, the drafter's steps {t['train_drafter']:.0f} s), measuring after {t['measure_after']:.0f} s; measuring "
             f"took the target {t['measure_target']:.0f} s and the drafter {t['measure_drafter']:.0f} s")
 
 
