@@ -88,3 +88,13 @@ def test_generate_text_api():
     result = mlx_mtp.generate(loaded(), SNIPPET, max_tokens=24)
     assert result.tokens and result.finish_reason in ("stop", "length")
     assert isinstance(result.text, str)
+
+
+def test_the_library_only_corpus_leaves_out_test_code_alone():
+    from apps.demo_pair.data import is_test
+
+    tests = ["test/test_os.py", "unittest/test/test_case.py", "idlelib/idle_test/test_calltip.py",
+             "lib2to3/tests/data/fixers/myfixes/fix_parrot.py", "ctypes/test/__init__.py", "test_something.py"]
+    library = ["os.py", "unittest/case.py", "idlelib/calltip.py", "json/tests.py", "latest/x.py", "contest.py",
+               "email/_header_value_parser.py"]
+    assert all(map(is_test, tests)) and not any(map(is_test, library))
