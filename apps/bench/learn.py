@@ -195,9 +195,9 @@ def run_learn(args, log=print) -> dict:
         prompts = (tool_call_prompts if args.traffic == "tool-calls" else c_header_prompts)(args.requests, args.seed)
         log(f"serving {args.requests - have} {TRAFFIC[args.traffic]} through the demo pair, kept in {kept}")
         res["serve_s"] = capture_traffic(loaded, prompts[have:], kept, args.max_tokens, args.temperature, log)
-    records = sorted(capture.read(kept), key=lambda r: r.time)[-args.requests :]
     if args.serve_only:
         return res
+    records = sorted(capture.read(kept), key=lambda r: r.time)[-args.requests :]
     res["tokens"] = int(sum(len(r.prompt) + len(r.reply) for r in records))
     res["served_acceptance"] = sum(r.accepted for r in records) / max(1, sum(r.rounds for r in records))
     started = time.perf_counter()  # --minutes bounds the adaptation from here, as `mlx_mtp.learn`'s whole run
@@ -294,6 +294,22 @@ def real_step(shape: str, batch: int, seq: int, train_embedding: bool, log) -> d
                 step_s=median(times[1:]), peak_gib=mx.get_peak_memory() / 2**30)
 
 
+def demo_inputs(captures: Path, requests: int, seq: int) -> tuple:
+    """What `learn` adapts the demo drafter with: (the demo target in fp32, the newest `requests` captured
+    requests, the general sample, the replay)."""
+    import mlx.core as mx
+
+    from mlx_mtp.learn import capture, distill, learner as learn
+    from mlx_mtp.demo import TARGET_DIR
+    from mlx_mtp.loading import load_model, load_tokenizer
+
+    target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
+    tokenizer = load_tokenizer(path)
+    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
+    return (target, records, learn.general_sample(tokenizer, seq=seq),
+            distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer))
+
+
 def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: int = 800, seq: int = 128,
             batch: int = 4, log=print) -> dict:
     """Training variants of the adaptation side by side in one process: each from the stock demo drafter
@@ -305,16 +321,13 @@ def compare(captures: Path, variants: list[dict], held_out: int = 40, requests: 
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from mlx_mtp.learn import capture, distill, learner as learn
-    from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
-    from mlx_mtp.loading import load_model, load_tokenizer
+    from mlx_mtp.learn import distill, learner as learn
+    from mlx_mtp.demo import DRAFTER_DIR
+    from mlx_mtp.loading import load_model
 
-    target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
-    tokenizer = load_tokenizer(path)
-    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
-    replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
-    a = learn.Adaptation(target, DRAFTER_DIR, records, learn.general_sample(tokenizer, seq=seq), seq=seq,
-                         batch=batch, replay=replay)  # its windows and measures, as the real run makes them
+    target, records, general, replay = demo_inputs(captures, requests, seq)
+    a = learn.Adaptation(target, DRAFTER_DIR, records, general, seq=seq, batch=batch,
+                         replay=replay)  # its windows and measures, as the real run makes them
     a.held.keep(held_out)
     measures = {"held_out": a.held, "general": a.general}
 
@@ -357,25 +370,17 @@ def ahead_speed(captures: Path, steps: int = 8, repeats: int = 2, requests: int 
     of their own, and without: `steps` fresh steps each (first-epoch batches: their features not yet
     kept), the two alternating `repeats` times, wall seconds a step (median), and whether they trained
     the same (the last loss)."""
-    import mlx.core as mx
+    from mlx_mtp.learn import learner as learn
+    from mlx_mtp.demo import DRAFTER_DIR
 
-    from mlx_mtp.learn import capture, distill, learner as learn
-    from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
-    from mlx_mtp.loading import load_model, load_tokenizer
-
-    target, _, path = load_model(TARGET_DIR, dtype=mx.float32)
-    tokenizer = load_tokenizer(path)
-    records = sorted(capture.read(Path(captures) / "captured"), key=lambda r: r.time)[-requests:]  # as `learn`
-    general = learn.general_sample(tokenizer, seq=seq)
-    replay = distill.load_tokens(learn.stdlib(learn.REPLAY_FILES), tokenizer)
+    target, records, general, replay = demo_inputs(captures, requests, seq)
     seconds, losses = {False: [], True: []}, {}
     for _ in range(repeats):
         for ahead in (False, True):
             a = learn.Adaptation(target, DRAFTER_DIR, records, general, steps=steps, seq=seq, batch=batch,
                                  replay=replay, ahead=ahead)
-            a.before, a.budget = {}, None  # training alone: no measuring, no time bound
             began = time.perf_counter()
-            losses[ahead] = list(a._train(learn.Ahead(a.pool, ahead)))[-1]
+            losses[ahead] = list(a._train())[-1]  # training alone: no measuring, no time bound
             seconds[ahead].append((time.perf_counter() - began) / steps)
             log(f"features ahead: {ahead}: {seconds[ahead][-1]:.2f} s a step (waiting for the target's features "
                 f"{a.times['train_target'] / steps:.2f} s), last loss {losses[ahead]:.5f}")

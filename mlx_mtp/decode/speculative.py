@@ -343,7 +343,7 @@ class DraftPolicy:
         best, age, known = self.decided.get(rows, (0, self.REDECIDE, ()))
         if age >= self.REDECIDE or known != members:
             cost, age = self.cost, 0
-            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost, members), default=0)
+            best = self._best_drafted(rows, cost, members)
             if self.rate(rows, best, cost, members) < self.MARGIN * self.rate(rows, 0, cost, members):
                 best = 0
         self.decided[rows] = (best, age + 1, members)
@@ -356,8 +356,12 @@ class DraftPolicy:
             cost = self.cost
             if (rows, 0) not in cost or not any(r == rows and k > 0 for r, k in cost):
                 return None
-            best = max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost))
+            best = self._best_drafted(rows, cost)
             return self.rate(rows, 0, cost), best, self.rate(rows, best, cost)
+
+    def _best_drafted(self, rows: int, cost: dict, members: Sequence[Member] = ()) -> int:
+        """The draft length in 1..k_max with the most expected tokens per second (0: k_max is 0)."""
+        return max(range(1, self.k_max + 1), key=lambda k: self.rate(rows, k, cost, members), default=0)
 
     def rate(self, rows: int, k: int, cost: Optional[dict] = None, members: Sequence[Member] = ()) -> float:
         """Expected tokens per second of a round of K drafts (at least the rows' fixed lengths)."""

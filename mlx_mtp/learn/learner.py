@@ -252,6 +252,7 @@ class Adaptation:
         self.phase, self.step_seconds = "measuring before", None
         self.measured, self.to_measure = 0, len(self.held) + len(self.general)
         self.times = {"train_target": 0.0, "train_drafter": 0.0}  # where the time goes, in the report
+        self.started, self.budget = time.perf_counter(), None  # `work` sets them: its start, its seconds
 
     @property
     def trained(self) -> bool:
@@ -270,11 +271,7 @@ class Adaptation:
         self.held.keep(len(self.before["held_out"]))  # the sample measured before, measured after
         self.phase = "training"
         yield None  # the phase's first line, before its first step
-        ahead = Ahead(self.pool, self.ahead)
-        try:
-            yield from self._train(ahead)
-        finally:
-            ahead.close()
+        yield from self._train()
         self.phase, self.measured, self.to_measure = "measuring after", 0, len(self.held) + len(self.general)
         began = time.perf_counter()
         after = {"held_out": [], "general": []}
@@ -291,9 +288,16 @@ class Adaptation:
         self.report.update(k=K, steps=self.distiller.done, train_requests=self.requests, train_tokens=self.tokens,
                            times={k: round(v, 1) for k, v in self.times.items()})
 
-    def _train(self, ahead: Ahead) -> Iterator[float]:
+    def _train(self) -> Iterator[float]:
         """Training steps while they fit; yields each one's loss. The target's time is what a step
-        waited for its features (with `ahead`, only what the drafter's step did not cover)."""
+        waited for its features (with them computed ahead, only what the drafter's step did not cover)."""
+        ahead = Ahead(self.pool, self.ahead)
+        try:
+            yield from self._steps(ahead)
+        finally:
+            ahead.close()
+
+    def _steps(self, ahead: Ahead) -> Iterator[float]:
         while not self.trained and self._time_for_a_step():
             self.drafter.train()
             began, done = time.perf_counter(), self.distiller.done
