@@ -17,6 +17,7 @@ from setuptools import setup
 COMMON = [
     "mlx-lm>=0.32", "numpy", "huggingface_hub", "sentencepiece", "starlette>=0.37", "uvicorn>=0.30",
     "llguidance>=1.9", "Pillow>=10",
+    "soundfile>=0.13", "soxr>=0.3",  # audio: libsndfile with MP3 comes in soundfile's wheels
 ]
 BUILDS = {"cpu": "mlx[cpu]>=0.32", "cuda": "mlx[cuda13]>=0.32"}
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")

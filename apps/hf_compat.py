@@ -1,5 +1,14 @@
 """Workarounds needed to run the transformers 5.23 Gemma 4 reference (fixture generation, the
-demo-pair recipe). Not used by inference; transformers is imported only when called."""
+demo-pair recipe). Not used by inference; transformers is imported only when called.
+
+    python apps/hf_compat.py [--patched]
+
+checks the installed transformers for the bugs `patch_kv_sharing_modes` works around: exit status 0
+when its `kv_sharing_modes` are right, 1 when the patch is needed, 2 without transformers.
+"""
+
+import argparse
+import sys
 
 
 def patch_kv_sharing_modes() -> None:
@@ -38,3 +47,62 @@ def patch_kv_sharing_modes() -> None:
 
     Gemma4TextConfig.kv_sharing_modes = property(modes)
     Gemma4TextConfig._mlx_mtp_patched = True
+
+
+def expected_modes(layer_types: list, shared: int) -> list:
+    """What `kv_sharing_modes` should be: all "reuse" when every layer is shared (an assistant),
+    "store" at the last layer of each type when none is (the original is trusted in between)."""
+    n = len(layer_types)
+    if shared >= n:
+        return ["reuse"] * n
+    last = {kind: i for i, kind in enumerate(layer_types)}
+    return ["store" if last[kind] == i else None for i, kind in enumerate(layer_types)]
+
+
+TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # a probe config's layers
+PROBES = (("every layer shared (an assistant)", len(TYPES)), ("no layer shared (a 31B-like target)", 0))
+
+
+def check(patched: bool = False) -> list:
+    """(what, the modes or the error, right) of the PROBES: an assistant's config and a target's."""
+    from transformers import Gemma4TextConfig
+
+    if patched:
+        patch_kv_sharing_modes()
+    found = []
+    for what, shared in PROBES:
+        config = Gemma4TextConfig(num_hidden_layers=len(TYPES), layer_types=TYPES,
+                                  num_kv_shared_layers=shared)
+        try:
+            modes = config.kv_sharing_modes
+        except ValueError as e:
+            modes = f"ValueError: {e}"
+        found.append((what, modes, modes == expected_modes(TYPES, shared)))
+    return found
+
+
+def main(argv=None) -> int:
+    what = "Check the installed transformers' Gemma4TextConfig.kv_sharing_modes for the bugs patched here."
+    ap = argparse.ArgumentParser(prog="python apps/hf_compat.py", description=what)
+    ap.add_argument("--patched", action="store_true",
+                    help="check it with patch_kv_sharing_modes() applied, as the fixture and demo-pair "
+                         "scripts run it (default: off, the installed transformers as it is)")
+    args = ap.parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        print("error: transformers is not installed (pip install transformers)", file=sys.stderr)
+        return 2
+    found = check(args.patched)
+    print(f"transformers {transformers.__version__}{', patched' if args.patched else ''}: kv_sharing_modes")
+    for what, modes, right in found:
+        print(f"  {what}: {modes} ({'right' if right else 'wrong'})")
+    if all(right for _, _, right in found):
+        print("all right")
+        return 0
+    print("wrong even patched" if args.patched else "the patch is needed")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

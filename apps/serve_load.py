@@ -189,13 +189,18 @@ def free_port() -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m apps.serve_load", description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server (default: start the demo pair's server for the run)")
-    ap.add_argument("--server-args", default="", help="extra arguments for the server this command starts")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=6, help="per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-tokens", default="auto", type=lambda s: s if s == "auto" else int(s))
-    ap.add_argument("--modes", default="mtp,plain", help="comma-separated: mtp, plain")
-    ap.add_argument("--api-key")
+    ap.add_argument("--server-args", default="",
+                    help="extra arguments, one string, for the server this command starts (default: none)")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default: 8)")
+    ap.add_argument("--requests", type=int, default=6,
+                    help="streamed requests per client, one after another (default: 6)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request (default: 64)")
+    ap.add_argument("--draft-tokens", default="auto", metavar="N|auto",
+                    type=lambda s: s if s == "auto" else int(s),
+                    help="draft length of the MTP phase's requests, 0-6 or auto (default: auto)")
+    ap.add_argument("--modes", default="mtp,plain", help="phases to run, comma-separated: mtp, plain "
+                                                         "(default: mtp,plain)")
+    ap.add_argument("--api-key", help="the server's key, for --url (default: none)")
     return ap.parse_args(argv)
 
 

@@ -25,10 +25,8 @@ from mlx_lm.utils import save_config
 
 from mlx_mtp.models import quantize as q
 from mlx_mtp.cli import prog_name
-from mlx_mtp.loading import (
-    DRAFTER_TYPE, WeightsError, build_model, cast_floats, load_model, read_config, resolve,
-)
-from mlx_mtp.models import model_module
+from mlx_mtp.loading import WeightsError, build_model, cast_floats, load_model, read_config, resolve
+from mlx_mtp.models import DRAFTER_TYPES, model_module
 from mlx_mtp.models.gemma4 import Config as TextConfig
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -37,6 +35,10 @@ EXTRA_FILES = (
     "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
 DEFAULT_SHARD_GB = 5.0  # mlx-lm's MAX_FILE_SIZE_GB
+WRAPPERS = ("gemma4", "gemma4_unified")  # multimodal checkpoints: the text model under `language_model.`
+TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")  # a text config at the top level
+SPELLED_OUT = ("sliding_window", "max_position_embeddings", "hidden_size_per_layer_input", "enable_moe_block",
+               "use_bidirectional_attention")
 
 
 def plan(
@@ -66,7 +68,7 @@ def plan(
     src = resolve(source)
     model_type = read_config(src).get("model_type")
     module = model_module(model_type)  # unknown types fail here, before anything is written
-    if model_type == DRAFTER_TYPE:
+    if model_type in DRAFTER_TYPES:
         if quantize and not quantize_drafter:
             _say("drafter kept unquantized (pass --quantize-drafter to quantize it)", progress)
         quantize = quantize_drafter
@@ -86,7 +88,7 @@ def plan(
     config = output_config(config, model, dtype)
     if quantize:
         config = q.quantize(model, config, bits=bits, group_size=group_size, mode=mode, preset=preset)
-    prefix = "language_model." if model_type == "gemma4" else ""
+    prefix = "language_model." if model_type in WRAPPERS else ""
     layers = model.model.layers
     if "quantization" in config:
         config["quantization"] = _record_names(config["quantization"], module, prefix, layers)
@@ -96,9 +98,9 @@ def plan(
     # the projections the model joins at load.
     weights = {prefix + k: v for k, v in module.unjoin(dict(tree_flatten(model.parameters())), layers, kept).items()}
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the caller owns the arrays now
-    if "vision_config" in config:
-        weights.update(vision_weights(src, config, DTYPES[dtype], quantize and quantize_vision, bits, group_size,
-                                      shapes_only))
+    media = embedder_weights if model_type == "gemma4_unified" else vision_weights
+    if "vision_config" in config or "audio_config" in config:
+        weights.update(media(src, config, DTYPES[dtype], quantize and quantize_vision, bits, group_size, shapes_only))
     return src, config, weights
 
 
@@ -115,13 +117,33 @@ def vision_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, quantize:
         vision = Vision.from_config(config)
     else:
         vision = vision_from_weights(config, load_weights(weight_files(src)), evaluate=False)
-    cast_floats(vision, dtype)
+    return _cast_and_quantize(vision, config, dtype, quantize, bits, group_size)
+
+
+def embedder_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, quantize: bool, bits: Optional[int],
+                     group_size: Optional[int], shapes_only: bool) -> dict[str, mx.array]:
+    """The 12B's (`gemma4_unified`) image and audio embedders under its checkpoint's names without `model.`
+    (`vision_embedder.*`, `embed_vision.*`, `embed_audio.*`), in `dtype`; with `quantize`, their Linear
+    layers whose width the group size divides, as `vision_weights` does."""
+    from mlx_mtp.loading import load_weights, weight_files
+    from mlx_mtp.models.gemma4_unified import Embedders, embedders_from_weights
+
+    if shapes_only:
+        embedders = Embedders.from_config(config)
+    else:
+        embedders = embedders_from_weights(config, load_weights(weight_files(src)), evaluate=False)
+    return _cast_and_quantize(embedders, config, dtype, quantize, bits, group_size)
+
+
+def _cast_and_quantize(module: nn.Module, config: dict[str, Any], dtype: mx.Dtype, quantize: bool,
+                       bits: Optional[int], group_size: Optional[int]) -> dict[str, mx.array]:
+    cast_floats(module, dtype)
     if quantize:
         record = config.get("quantization") or {}
         group = group_size or record.get("group_size", 64)
-        nn.quantize(vision, group_size=group, bits=bits or record.get("bits", 4),
+        nn.quantize(module, group_size=group, bits=bits or record.get("bits", 4),
                     class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group == 0)
-    return dict(tree_flatten(vision.parameters()))
+    return dict(tree_flatten(module.parameters()))
 
 
 def convert(
@@ -136,8 +158,8 @@ def convert(
     """Convert `source` into the MLX directory `output`.
 
     Args:
-        source: local HF directory or hub id of a `gemma4` / `gemma4_text` target or a
-            `gemma4_assistant` drafter.
+        source: local HF directory or hub id of a `gemma4` / `gemma4_text` / `gemma4_unified` (12B) target
+            or a `gemma4_assistant` / `gemma4_unified_assistant` drafter.
         output: directory to create; it is written to a temporary sibling and renamed
             into place only when complete.
         max_shard_gb: largest output shard (also about the peak memory).
@@ -229,11 +251,12 @@ def summary(config: dict[str, Any], weights: dict[str, mx.array]) -> str:
 def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
     """The input config in the released form mlx-lm reads (`global_head_dim`, no `per_layer_config`)."""
     config = copy.deepcopy(config)
-    config.pop("audio_config", None)  # the vision tower is kept (`vision_weights`); audio is not supported
-    text_cfg = model.config.text if config["model_type"] == DRAFTER_TYPE else model.config
-    text = config.get("text_config", config) if config["model_type"] != "gemma4_text" else config
+    if config["model_type"] != "gemma4_unified":  # the 12B's audio embedder is kept (`embedder_weights`)
+        config.pop("audio_config", None)  # the vision tower is kept (`vision_weights`); audio is not supported
+    text_cfg = model.config.text if config["model_type"] in DRAFTER_TYPES else model.config
+    text = config.get("text_config", config) if config["model_type"] not in TEXT_TYPES else config
     _released_text_config(text, text_cfg)
-    if config["model_type"] == "gemma4":
+    if config["model_type"] in WRAPPERS:
         config["vocab_size"] = text["vocab_size"]  # mlx-lm's wrapper otherwise assumes 262144
     config["dtype"] = dtype
     config.pop("torch_dtype", None)
@@ -242,6 +265,8 @@ def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
 
 def _released_text_config(text: dict[str, Any], cfg: TextConfig) -> None:
     text.pop("per_layer_config", None)
+    for key in SPELLED_OUT:  # what our config class assumed where the file is silent (mlx-lm's defaults differ)
+        text[key] = getattr(cfg, key)
     text["global_head_dim"] = cfg.global_head_dim or cfg.head_dim
     if cfg.num_global_key_value_heads is not None:
         text["num_global_key_value_heads"] = cfg.num_global_key_value_heads
@@ -354,23 +379,35 @@ def _say(msg: str, enabled: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog_name("convert"),
-        description="Convert a Gemma 4 target (gemma4, gemma4_text) or drafter (gemma4_assistant) to MLX.",
+        description="Convert a Gemma 4 target (gemma4, gemma4_text, gemma4_unified) or drafter (gemma4_assistant, "
+                    "gemma4_unified_assistant) to MLX.",
     )
     p.add_argument("source", help="local Hugging Face directory or hub id")
     p.add_argument("output", help="MLX directory to create")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="dtype of unquantized weights")
-    p.add_argument("-q", "--quantize", action="store_true", help="quantize Linear/Embedding weights")
-    p.add_argument("--bits", type=int, choices=q.BITS, help="bits per weight (affine; default 4)")
-    p.add_argument("--group-size", type=int, choices=q.GROUP_SIZES, help="affine group size (default 64)")
-    p.add_argument("--mode", default="affine", choices=("affine", *q.FIXED_MODES), help="quantization mode")
-    p.add_argument("--preset", choices=q.PRESETS, help="mixed recipe (mixed_4_8: first/last layers 8 bits)")
-    p.add_argument("--quantize-drafter", action="store_true", help="quantize a gemma4_assistant drafter too")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="dtype of the weights left unquantized (default: bfloat16)")
+    p.add_argument("-q", "--quantize", action="store_true",
+                   help="quantize Linear/Embedding weights (default: off; --preset turns it on)")
+    p.add_argument("--bits", type=int, choices=q.BITS,
+                   help="bits per weight, affine mode (default: 4; --preset mixed_4_8 sets them itself)")
+    p.add_argument("--group-size", type=int, choices=q.GROUP_SIZES, help="affine group size (default: 64)")
+    p.add_argument("--mode", default="affine", choices=("affine", *q.FIXED_MODES),
+                   help="quantization mode: affine, or a microscaling format with its own bits and group "
+                        "size (default: affine)")
+    p.add_argument("--preset", choices=q.PRESETS,
+                   help="mixed recipe: mixed_4_8 is 4 bits, the first and last layers 8 (default: none)")
+    p.add_argument("--quantize-drafter", action="store_true",
+                   help="quantize an MTP drafter too (default: off, kept in --dtype)")
     p.add_argument("--quantize-vision", action="store_true",
-                   help="quantize the vision embedder and tower too (default: kept in --dtype)")
-    p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_GB, help="GB per output shard")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    p.add_argument("--dry-run", action="store_true", help="print what would be written")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="quantize the vision embedder and tower (the 12B: its image and audio embedders) too "
+                        "(default: off, kept in --dtype)")
+    p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_GB, metavar="GB",
+                   help="largest output shard, in GB: about the peak memory of a run "
+                        f"(default: {DEFAULT_SHARD_GB:g})")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory (default: off)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be written, reading config.json only (default: off)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
     return p
 
 

@@ -6,10 +6,10 @@ runs the small demo pair bundled in `mlx_mtp.demo`. With --prompt it answers onc
 scripts); without a terminal it reads one message per line from stdin. With --raw each message is
 completed as plain text (no chat template, no history), which suits code models: text that ends
 inside an indented block (a `def f():` line) is completed to the block's end, where the code comes
-back to column 0, and a completion that repeats itself (the same lines a third time in a row) stops
-there. With --think the
-model reasons before it answers; the reasoning goes to stderr (dimmed on a terminal), the answer to
-stdout.
+back to column 0. A reply or completion that repeats itself (the same lines a third time in a row)
+stops there, and a request that fails (a missing image) says why and the conversation goes on. With
+--think the model reasons before it answers; the reasoning goes to stderr (dimmed on a terminal), the
+answer to stdout.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ RAW_TOKENS = 256  # a --raw completion's: a function or two (a block's end stops
 TURNS = 16  # context // TURNS a reply: 10 turns (and their messages) fit, the demo's 2,048 too
 # A line that starts at column 0 ends an indented block (Python's function or class body).
 COLUMN_0 = tuple("\n" + c for c in string.printable if not c.isspace())
-REPEATS = 3  # a --raw completion that ends with one block of lines this many times in a row is looping
+REPEATS = 3  # a reply that ends with one block of lines this many times in a row is looping
 PIECE = 8  # or with one piece of a line this long (or longer)
 
 
@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--think", action=argparse.BooleanOptionalAction, default=False,
                     help="let the model reason before it answers (the chat template's enable_thinking) and show "
                          "the reasoning, on stderr; --no-think (the default) turns it off and hides any")
+    ap.add_argument("--keep-thinking", action="store_true",
+                    help="with --think, later turns keep each earlier reply's reasoning in the prompt (default: off: "
+                         "left out once you answer, as Gemma 4's model card asks)")
     ap.add_argument("--prompt", help="answer this one message and exit (default: a conversation, one message "
                                      "per line)")
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
@@ -97,14 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "to the block's end, where a line starts at column 0 (default: on; --no-stop-at-dedent "
                          "runs to --max-tokens)")
     ap.add_argument("--stop-at-repeat", action=argparse.BooleanOptionalAction, default=True,
-                    help=f"with --raw, a completion that ends with the same block of lines {REPEATS} times in a "
-                         f"row (or the same piece of {PIECE}+ characters within a line) is looping: it stops there, "
+                    help=f"a reply (chat or --raw) that ends with the same block of lines {REPEATS} times in "
+                         f"a row (or the same piece of {PIECE}+ characters within a line) is looping: it stops there, "
                          "and says so on stderr (default: on; --no-stop-at-repeat runs on)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="compute dtype (default: the checkpoint's; float32 for the demo pair)")
     args = ap.parse_args(argv)
-    if args.raw and (args.system is not None or args.think):
-        ap.error("--system and --think need the chat template, which --raw does not use")
+    if args.raw and (args.system is not None or args.think or args.keep_thinking):
+        ap.error("--system, --think and --keep-thinking need the chat template, which --raw does not use")
     args.prompt, args.system = readable(args.prompt), readable(args.system)
     return args
 
@@ -154,12 +157,11 @@ class Completion:
 
     enable_thinking = False
 
-    def __init__(self, engine: Engine, stop_at_dedent: bool = True, stop_at_repeat: bool = True):
+    def __init__(self, engine: Engine, stop_at_dedent: bool = True):
         self.engine, self.loaded = engine, engine.loaded
-        self.stop_at_dedent, self.stop_at_repeat = stop_at_dedent, stop_at_repeat
+        self.stop_at_dedent = stop_at_dedent
         self.tokens: list[int] = []  # the last completion's prompt and output
         self.last_stats: Optional[Stats] = None
-        self.note: Optional[str] = None  # why the last completion stopped early, if it did
 
     def reset(self) -> None:
         self.tokens, self.last_stats = [], None
@@ -172,21 +174,40 @@ class Completion:
         room = self.loaded.target.config.max_position_embeddings - len(prompt)
         stop = block_end(text) if self.stop_at_dedent else ()
         handle = self.engine.submit(Request(prompt, max_tokens=max(1, min(max_tokens, room)), stop=stop, **options))
-        self.tokens, self.last_stats, self.note = list(prompt), handle.stats, None
+        self.tokens, self.last_stats = list(prompt), handle.stats
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:
-        events, text = handle.tokens(), ""
-        for event in events:
-            self.tokens.append(event.token)
+        events = handle.tokens()
+        try:
+            for event in events:
+                self.tokens.append(event.token)
+                yield event
+        finally:  # closed early (a loop, Ctrl-C) too: the request is cancelled, its last round's stats read
+            events.close()
+            done = handle.done or next((e for e in handle.events() if e.kind == "done"), None)
+            self.last_stats = done.stats if done is not None else handle.stats
+
+
+class LoopStop:
+    """A reply's events until its text ends in a loop (`repeating`): then the stream is closed,
+    which cancels the request (a conversation keeps what was written), and `note` says so."""
+
+    def __init__(self, events: Iterator[TokenEvent]):
+        self.events, self.note = events, None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        text = ""
+        for event in self.events:
             yield event
-            text += event.text
-            if self.stop_at_repeat and (loop := repeating(text)):
-                events.close()  # cancels the request; its last round's stats are read below
+            text += event.reasoning + event.text
+            if loop := repeating(text):
                 self.note = f"[stopped: {loop} {REPEATS} times in a row, a loop; --no-stop-at-repeat runs on]"
-                break
-        done = handle.done or next((e for e in handle.events() if e.kind == "done"), None)
-        self.last_stats = done.stats if done is not None else handle.stats
+                self.close()
+                return
+
+    def close(self) -> None:
+        self.events.close()
 
 
 Session = Union[Conversation, Completion]
@@ -260,7 +281,7 @@ def details(session: Session) -> str:
     kept = session.cached_tokens() if session.tokens else 0
     cache = session.engine.metrics()
     kv = "KV cache: empty"
-    if cache["prefix_cache_states"]:
+    if cache.get("prefix_cache_states"):  # counted once the engine has run a request
         kv = (f"KV cache: {kept} tokens of the conversation kept, "
               f"{cache['prefix_cache_bytes'] / 2**20:.1f} MiB ({cache['prefix_cache_states']} states)")
     held = f"{kv}\n{memory.usage_line()}"
@@ -272,9 +293,13 @@ def details(session: Session) -> str:
     return f"last reply: {s.summary()}\n{prompt}\n{held}"
 
 
-def answer(session: Session, text: str, options: dict) -> None:
-    stream, printer, replied = session.reply(text, **options), Printer(session.enable_thinking), False
-    options.pop("images", None)  # shown with this message
+def answer(session: Session, text: str, options: dict, stop_at_repeat: bool = True) -> None:
+    """Stream the reply to `text` on stdout, then what ended it early and its stat line on stderr."""
+    request = dict(options)
+    options.pop("images", None)  # shown with this message only, whether or not it gets a reply
+    stream = session.reply(text, **request)
+    stream = LoopStop(stream) if stop_at_repeat else stream
+    printer, replied = Printer(session.enable_thinking), False
     try:
         with ctrl_c() as stop:
             for event in stream:
@@ -287,9 +312,9 @@ def answer(session: Session, text: str, options: dict) -> None:
     finally:
         stream.close()
         printer.finish()
-    CONSOLE.write(sys.stdout, "\n")
-    if getattr(session, "note", None):
-        print(session.note, file=sys.stderr, flush=True)
+        CONSOLE.write(sys.stdout, "\n")  # an error mid-reply too: its line goes on a line of its own
+    if getattr(stream, "note", None):
+        print(stream.note, file=sys.stderr, flush=True)
     if replied and session.last_stats is not None:
         print(stat_line(session.last_stats), file=sys.stderr, flush=True)
         if options.get("draft_tokens") == "auto" and (why := why_plain(session.loaded.drafter, session.last_stats)):
@@ -409,7 +434,8 @@ def attach(session, options: dict, path: str):
             raise ValueError("--raw completes text: images go with chat messages")
         check_image(path)
         if not isinstance(session, ImageChat):
-            session = ImageChat(session.engine, list(session.messages), session.enable_thinking)  # system first
+            session = ImageChat(session.engine, list(session.messages), session.enable_thinking,  # system first
+                                session.keep_thinking)
         options.setdefault("images", []).append(path)
         print(f"(image {path} goes with your next message)", file=sys.stderr)
     except ValueError as e:  # ImageError: not an image, a model without a tower
@@ -431,7 +457,7 @@ def lines(interactive: bool) -> Iterator[str]:
             print()  # Ctrl-C at the prompt clears the line; Ctrl-D leaves
 
 
-def repl(session: Session, options: dict, interactive: bool) -> None:
+def repl(session: Session, options: dict, interactive: bool, stop_at_repeat: bool = True) -> None:
     for line in lines(interactive):
         command = line.strip()
         if command in ("/quit", "/exit", "quit", "exit"):
@@ -449,10 +475,12 @@ def repl(session: Session, options: dict, interactive: bool) -> None:
             print(f"unknown command {command}; /help lists them")
         elif command:
             try:
-                answer(session, line, options)
+                answer(session, line, options, stop_at_repeat)
                 say_if_cut(session, options["max_tokens"])
             except ContextLengthError as e:
                 print(f"error: {e}; /reset to start over", file=sys.stderr)
+            except Exception as e:  # a request that failed (an unreadable image, ...): the chat goes on
+                print(error_line(e), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -482,30 +510,31 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
         print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
         jit.on_first_compile(lambda: CONSOLE.line(jit.NOTICE))
         if args.raw:
-            session: Session = Completion(engine, args.stop_at_dedent, args.stop_at_repeat)
+            session: Session = Completion(engine, args.stop_at_dedent)
         else:
-            session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine)
+            session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine,
+                                   keep_thinking=args.keep_thinking)
         for path in args.image:
             session = attach(session, options, path)
         if len(options.get("images", ())) != len(args.image):
             return 2
         if args.prompt is not None:
-            return answer_once(session, args.prompt, options)
-        return converse(session, options)
+            return answer_once(session, args.prompt, options, args.stop_at_repeat)
+        return converse(session, options, args.stop_at_repeat)
 
 
-def answer_once(session: Session, text: str, options: dict) -> int:
-    """--prompt: answer one message; 1 when it does not fit the context."""
+def answer_once(session: Session, text: str, options: dict, stop_at_repeat: bool = True) -> int:
+    """--prompt: answer one message; 1 when the request fails (it does not fit the context, ...)."""
     try:
-        answer(session, text, options)
+        answer(session, text, options, stop_at_repeat)
         say_if_cut(session)
-    except ContextLengthError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        print(error_line(e), file=sys.stderr)
         return 1
     return 0
 
 
-def converse(session: Session, options: dict) -> int:
+def converse(session: Session, options: dict, stop_at_repeat: bool = True) -> int:
     """The REPL, on a terminal or over stdin lines."""
     if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable bytes become U+FFFD, not a crash
         sys.stdin.reconfigure(errors="replace")
@@ -516,7 +545,7 @@ def converse(session: Session, options: dict) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         print("type /help for commands", file=sys.stderr)
     try:
-        repl(session, options, interactive)
+        repl(session, options, interactive, stop_at_repeat)
     except KeyboardInterrupt:
         print()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
+from .formats.chat import Reply
 from .formats.images import ImageError
 from .engine.requests import Request, TokenEvent
 from .decode.stats import Stats
@@ -23,13 +24,15 @@ class ImageChat:
         engine: the chat's engine (its model must have a vision tower).
         messages: the conversation so far (a `Conversation`'s messages, its system message first).
         enable_thinking: the template's switch for reasoning before the answer.
+        keep_thinking: earlier replies keep their reasoning in later prompts (`Request.keep_thinking`).
     """
 
-    def __init__(self, engine, messages: Sequence[dict] = (), enable_thinking: bool = False):
+    def __init__(self, engine, messages: Sequence[dict] = (), enable_thinking: bool = False,
+                 keep_thinking: bool = False):
         if getattr(engine.loaded, "vision", None) is None:
             raise ImageError("this model takes no images (its checkpoint has no vision tower)")
         self.engine, self.loaded = engine, engine.loaded
-        self.enable_thinking = enable_thinking
+        self.enable_thinking, self.keep_thinking = enable_thinking, keep_thinking
         self.messages = [dict(m) for m in messages]
         self._start = [m for m in self.messages if m.get("role") == "system"]
         self.tokens: list[int] = []
@@ -40,22 +43,23 @@ class ImageChat:
         the reply, which joins the conversation as streamed."""
         content = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]
         messages = [*self.messages, {"role": "user", "content": content}]
-        request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking, **options)
+        request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking,
+                          keep_thinking=self.keep_thinking, **options)
         handle = self.engine.submit(request)
         self.messages, self.last_stats = messages, handle.stats
         self.tokens = handle.prompt_keys  # as the prefix cache keys them (an image by its content)
         return self._stream(handle)
 
     def _stream(self, handle) -> Iterator[TokenEvent]:
-        reply: list[str] = []
+        reply = Reply()
         try:
             for event in handle.tokens():
                 self.tokens.append(event.token)
-                reply += [p.text for p in event.parts if p.kind == "content"]
+                reply.add(p for p in event.parts if p.kind != "tool_call")
                 yield event
             self.last_stats = handle.done.stats
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self.messages.append(reply.message())  # its reasoning too: the engine leaves it out where it goes
 
     def cached_tokens(self) -> int:
         return self.engine.cached(self.tokens)

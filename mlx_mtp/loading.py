@@ -14,11 +14,9 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from .formats.chat import stop_tokens
 from .formats.vision import encoder_for
 from .decode.drafters import HybridDrafter, MTPProposer, NgramDrafter
-from .models import model_module
+from .models import DRAFTER_TYPES, model_module
 from .models.base import ConfigError
 from .models.quantized import adopt
-
-DRAFTER_TYPE = "gemma4_assistant"
 
 
 class WeightsError(ValueError):
@@ -153,6 +151,9 @@ def load_model(
     check_quantization(config, path)
     model_module(config["model_type"])  # an unknown type fails before any weight is read
     model = model_from_weights(config, load_weights(weight_files(path)), dtype, lazy, where=str(path))
+    suppress = generation_config(path).get("suppress_tokens")
+    if suppress is not None and hasattr(model.config, "suppress_tokens"):
+        model.config.suppress_tokens = tuple(int(t) for t in suppress)
     return model, config, path
 
 
@@ -252,8 +253,8 @@ def load(
         ValueError: the drafter cannot read this target's K/V (wrong pair).
     """
     target, config, path = load_model(model, dtype=dtype)
-    if config.get("model_type") == DRAFTER_TYPE:
-        raise ModelKindError(f"{model} is an MTP drafter ({DRAFTER_TYPE}), not a target model; "
+    if config.get("model_type") in DRAFTER_TYPES:
+        raise ModelKindError(f"{model} is an MTP drafter ({config['model_type']}), not a target model; "
                              "pass it as the drafter")
     draft = None
     if str(drafter) == "ngram":
@@ -273,9 +274,9 @@ def load_drafter(drafter: Union[str, Path], target, dtype: Optional[mx.Dtype] = 
     """The MTP drafter at `drafter` (a directory or hub id), checked against `target` (ModelKindError,
     ValueError as `load` says)."""
     draft, draft_config, _ = load_model(drafter, dtype=dtype)
-    if draft_config.get("model_type") != DRAFTER_TYPE:
+    if draft_config.get("model_type") not in DRAFTER_TYPES:
         raise ModelKindError(f"{drafter} is a {draft_config.get('model_type')!r} model, not an MTP "
-                             f"drafter ({DRAFTER_TYPE})")
+                             f"drafter ({', '.join(sorted(DRAFTER_TYPES))})")
     draft.check_target(target)
     return draft
 
@@ -289,13 +290,16 @@ def load_tokenizer(path: Path):
     return load_tok(path)
 
 
+def generation_config(path: Path) -> dict[str, Any]:
+    """A checkpoint's generation_config.json ({} without one)."""
+    file = path / "generation_config.json"
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
 def eos_ids(path: Path, config: dict[str, Any]) -> frozenset:
     """Stop tokens from config.json (top level and text_config) and generation_config.json."""
     found: set[int] = set()
-    sources = [config, config.get("text_config", {})]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()))
+    sources = [config, config.get("text_config", {}), generation_config(path)]
     for source in sources:
         value = source.get("eos_token_id")
         if value is not None:

@@ -122,3 +122,28 @@ def write_vision_chat_files(dest: Path) -> Path:
     # the tiny tower's position table (32) takes grids up to 32 patches a side: the smallest budget
     (dest / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 70}}))
     return dest
+
+
+# ---- every named control token of Gemma 4 --------------------------------------------------------
+
+MEDIA_SPECIALS = {"<|audio>": 123, "<|audio|>": 124, "<audio|>": 125, "<|video|>": 126}  # in unused ids
+
+
+def all_controls_vocab() -> dict:
+    """`gemma4_vocab` with Gemma 4's image, audio and video tokens too (in its unused ids): every
+    named control token of the released tokenizer (special_tokens in the research notes), and
+    unused ones beside them."""
+    taken = set(IMAGE_SPECIALS.values()) | set(MEDIA_SPECIALS.values())
+    vocab = {t: i for t, i in gemma4_vocab().items() if i not in taken}
+    return {**vocab, **IMAGE_SPECIALS, **MEDIA_SPECIALS}
+
+
+def make_all_controls_model(dest: Path) -> Path:
+    """The tiny dense target with `all_controls_vocab`'s tokenizer and the released 26B/31B template."""
+    shutil.copytree(TINY / "target", dest)
+    write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), all_controls_vocab())
+    config = json.loads((dest / "config.json").read_text())  # room for char-level prompts
+    (dest / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    gen = json.loads((dest / "generation_config.json").read_text())
+    (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
+    return dest

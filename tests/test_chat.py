@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from chat_helpers import DRAFTER, TINY, make_chat_model
+from chat_helpers import DRAFTER, TINY, make_chat_model, make_vision_chat_model
 
 import mlx_mtp
 from mlx_mtp import chat
@@ -84,9 +84,10 @@ def test_bad_model_or_drafter_exits_2_with_one_line(model_dir, capsys, monkeypat
 
 
 def test_ctrl_c_during_a_reply_keeps_the_turn_and_the_cache():
-    """The demo pair writes long replies: interrupt one after a few characters."""
+    """The demo pair writes long replies (run on where they loop): interrupt one after a few characters."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_mtp.chat", "--max-tokens", "400"], stdin=subprocess.PIPE,
+    command = [sys.executable, "-m", "mlx_mtp.chat", "--max-tokens", "400", "--no-stop-at-repeat"]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
@@ -109,3 +110,33 @@ def test_ctrl_c_during_a_reply_keeps_the_turn_and_the_cache():
     assert fed[-1] < int(second.split()[2]) // 2  # turn 2 fed its message, not the conversation
     replies = stat_lines(stderr)
     assert len(replies) == 2 and int(replies[0][1:].split()[0]) < 400  # the first reply was cut short
+
+
+def test_a_request_that_fails_says_why_in_one_line_and_the_chat_goes_on(tmp_path, monkeypatch, capsys):
+    """An image that was there at `/image` and gone when its message is sent: the turn fails with
+    one `error:` line on stderr, and the conversation goes on (the next message is answered, with
+    the same reply as a fresh chat's)."""
+    from PIL import Image
+
+    model = make_vision_chat_model(tmp_path / "vision")
+    picture = tmp_path / "a.png"
+    Image.new("RGB", (40, 30), "red").save(picture)
+    typed = iter([f"/image {picture}", "what is it?", "hello"])
+
+    def type_line(prompt=""):
+        line = next(typed, None)
+        if line is None:
+            raise EOFError
+        if line == "what is it?":
+            picture.unlink()  # moved away after /image took it
+        return line
+
+    monkeypatch.setattr("builtins.input", type_line)
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    assert chat.main(["--model", str(model), "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: no image file at {picture}"], err
+    assert "Traceback" not in err and len(stat_lines(err)) == 1  # "hello" was answered
+    reply = "".join(e.text for e in Conversation(mlx_mtp.load(model)).reply("hello", max_tokens=5))
+    assert out.endswith(reply + "\n")

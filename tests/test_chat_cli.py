@@ -348,15 +348,17 @@ def test_a_raw_completion_that_repeats_itself_stops_at_the_third_copy_the_same_w
     prompt, line, budget = "def f():\n" + "    x = 1\n" * 3, "    x = 1\n", 48
     with Engine(load_demo(), max_batch=1) as engine:
         def complete(stop_at_repeat, **options):
-            session = chat.Completion(engine, stop_at_dedent=False, stop_at_repeat=stop_at_repeat)
-            return "".join(e.text for e in session.reply(prompt, max_tokens=budget, **options)), session
+            session = chat.Completion(engine, stop_at_dedent=False)
+            stream = session.reply(prompt, max_tokens=budget, **options)
+            stream = chat.LoopStop(stream) if stop_at_repeat else stream
+            return "".join(e.text for e in stream), session, getattr(stream, "note", None)
 
-        whole, session = complete(False, mtp=False)
-        assert whole.startswith(line * 4) and session.last_stats.emitted == budget and session.note is None, whole
+        whole, session, note = complete(False, mtp=False)
+        assert whole.startswith(line * 4) and session.last_stats.emitted == budget and note is None, whole
         for options in (dict(mtp=False), dict(draft_tokens=3), dict(draft_tokens="auto")):
-            text, session = complete(True, **options)
+            text, session, note = complete(True, **options)
             assert text == line * 3, (options, text)
-            assert session.last_stats.emitted < budget and "the same line 3 times in a row" in session.note, options
+            assert session.last_stats.emitted < budget and "the same line 3 times in a row" in note, options
 
 
 def test_the_chat_says_on_stderr_that_a_raw_completion_stopped_in_a_loop():
@@ -364,3 +366,39 @@ def test_the_chat_says_on_stderr_that_a_raw_completion_stopped_in_a_loop():
     assert rc == 0 and [line for line in out.splitlines() if line.strip()] == ["    x = 1"] * 3, (out, err)
     stopped = [line for line in err.splitlines() if line.startswith("[stopped")]
     assert stopped == ["[stopped: the same line 3 times in a row, a loop; --no-stop-at-repeat runs on]"], err
+
+
+def test_a_chat_reply_that_loops_stops_there_too_and_the_chat_goes_on():
+    """The demo pair chats `def _check_check_check...` whatever it is asked: without --raw too, the
+    reply stops at the third copy and says so, the conversation keeps what was written and the next
+    turn runs; --no-stop-at-repeat runs to --max-tokens."""
+    rc, out, err = run_chat("--max-tokens", 64, stdin=b"hello\nhello again\n")
+    assert rc == 0, err
+    stopped = [line for line in err.splitlines() if line.startswith("[stopped")]
+    assert len(stopped) == 2, err
+    assert all(line.endswith("a loop; --no-stop-at-repeat runs on]") for line in stopped), err
+    assert all(stat_counts(line)[0] < 64 for line in err.splitlines() if " tokens: " in line), err
+    rc, whole, err = run_chat("--max-tokens", 64, "--no-stop-at-repeat", "--prompt", "hello")
+    (stat,) = [line for line in err.splitlines() if " tokens: " in line]
+    assert rc == 0 and "[stopped" not in err and stat_counts(stat)[0] == 64, err
+    first = out.lstrip("\n").split("\n")[0]  # the first reply, up to where it stopped
+    assert chat.repeating(first) and whole.lstrip("\n").startswith(first) and len(whole) > len(first) + 10, out
+
+
+def test_the_loop_stop_keeps_a_conversation_consistent():
+    """A chat reply stopped in a loop (`LoopStop`) stays in the conversation as far as it was read,
+    greedy MTP stops at the same text as plain decoding, and the next turn resumes from the cache."""
+    from mlx_mtp.demo import load_demo
+    from mlx_mtp.engine.engine import Engine
+
+    with Engine(load_demo(), max_batch=1) as engine:
+        texts = []
+        for options in (dict(mtp=False), dict(draft_tokens=3)):
+            conv = Conversation(engine.loaded, engine=engine)
+            stream = chat.LoopStop(conv.reply("hello", max_tokens=64, **options))
+            texts.append("".join(e.text for e in stream))
+            assert stream.note and chat.repeating(texts[-1]) and conv.last_stats.emitted < 64, texts[-1]
+            assert conv.messages[-1] == {"role": "assistant", "content": texts[-1]}
+            list(conv.reply("again", max_tokens=4))
+            assert conv.last_stats.cached_tokens > 10  # the first turn came from the prefix cache
+        assert texts[0] == texts[1]

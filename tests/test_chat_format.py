@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from chat_helpers import write_gemma4_tokenizer
+from chat_helpers import IMAGE_SPECIALS, gemma4_vocab, write_gemma4_tokenizer
 
 from mlx_mtp.formats import chat as chat_format
 from mlx_mtp.formats.chat import Delta, OutputParser, ToolCall, parse, parse_call, render
@@ -16,13 +16,16 @@ from mlx_mtp.loading import load_tokenizer
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = {c["name"]: c for c in json.loads((FIXTURES / "chat_templates" / "cases.json").read_text())}
 REFERENCE = json.loads((FIXTURES / "chat_templates" / "renderings.json").read_text())
-TEMPLATES = REFERENCE["templates"]
+# "demo" (the demo pair's own template, rendered with its BPE tokenizer) is covered by the template-mode tests
+TEMPLATES = {name: t for name, t in REFERENCE["templates"].items() if name != "demo"}
 
 
 @lru_cache(maxsize=None)
 def tokenizer(name: str, root: Path):
+    """The reference's tokenizer: Gemma 4's control tokens, its image tokens at the vision fixtures' ids."""
     path = root / name
-    write_gemma4_tokenizer(path, (FIXTURES / TEMPLATES[name]["file"]).read_text())
+    vocab = {t: i for t, i in gemma4_vocab().items() if i not in IMAGE_SPECIALS.values()}
+    write_gemma4_tokenizer(path, (FIXTURES / TEMPLATES[name]["file"]).read_text(), {**vocab, **IMAGE_SPECIALS})
     return load_tokenizer(path)
 
 
@@ -51,13 +54,27 @@ def test_fixtures_come_from_transformers_5_23_for_every_template_and_case():
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 def test_renderings_equal_transformers(tokenizers, template):
+    """The template's own rendering (history="template") is apply_chat_template's, token for token:
+    with content as text, its `sanitize_control_tokens=True` tokens; parsing content, its default."""
     tok = tokenizers(template)
     for name, expected in TEMPLATES[template]["renderings"].items():
         case = CASES[name]
         prompt = render(tok, case["messages"], **options(case))
         assert prompt.text == expected["text"], (template, name)
-        assert prompt.tokens == tok.encode(expected["text"], add_special_tokens=False)
+        assert prompt.tokens == expected.get("tokens_sanitized", expected["tokens"]), (template, name)
         assert prompt.tokens[0] == 2 and prompt.tokens.count(2) == 1  # the template's own <bos>, once
+        parsed = render(tok, case["messages"], **options(case), content_as_text=False)
+        assert (parsed.text, parsed.tokens) == (expected["text"], expected["tokens"]), (template, name)
+
+
+def test_the_demo_template_renders_as_transformers_with_the_demo_tokenizer():
+    from mlx_mtp.demo import TARGET_DIR
+
+    tok = load_tokenizer(Path(TARGET_DIR))
+    for name, expected in REFERENCE["templates"]["demo"]["renderings"].items():
+        case = CASES[name]
+        prompt = render(tok, case["messages"], **options(case))
+        assert (prompt.text, prompt.tokens) == (expected["text"], expected.get("tokens_sanitized", expected["tokens"])), name
 
 
 def test_a_prompt_that_opens_the_reasoning_channel_starts_the_parser_in_it(tokenizers):
@@ -131,11 +148,13 @@ def generate(prompt, reply: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 @pytest.mark.parametrize("thinking", [False, True], ids=["off", "on"])
-def test_a_history_renders_as_the_model_generated_it(tokenizers, template, thinking):
+@pytest.mark.parametrize("keep", [False, True], ids=["drop-thinking", "keep-thinking"])
+def test_a_history_renders_as_the_model_generated_it(tokenizers, template, thinking, keep):
     """Text before calls (untrimmed), arguments in the model's order, thinking, tool responses,
-    a reminder beside them and the next user turn: each prompt extends the last one's state."""
+    a reminder beside them and the next user turn: each prompt extends the last one's state, but
+    that a model turn's reasoning goes once the turn ended and a new user message came (unless kept)."""
     tok, think = tokenizers(template), "<|channel>thought\nLet me see.<channel|>" if thinking else ""
-    kw = dict(tools=GET_TIME, enable_thinking=thinking, as_generated=True)
+    kw = dict(tools=GET_TIME, enable_thinking=thinking, as_generated=True, keep_thinking=keep)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time in UTC?"}]
     prompt = render(tok, messages, **kw)
     assert prompt.text == render(tok, messages, GET_TIME, enable_thinking=thinking).text  # no history: the template
@@ -150,9 +169,14 @@ def test_a_history_renders_as_the_model_generated_it(tokenizers, template, think
         message, state = generate(prompt, (prompt.open is not None) * "Thinking.<channel|>" + reply)
         messages += [message, *[{**m, "tool_call_id": "call_0"} for m in after]]
         prompt = render(tok, messages, **kw)
+        if i == 2 and thinking and not keep:  # the first turn ended (reminders inside it did not end it)
+            for thought in (think, "<|channel>thought\nThinking.<channel|>", "Thinking.<channel|>"):
+                state = state.replace(thought, "")
+            assert "Let me see." not in prompt.text and "Thinking." not in prompt.text
         assert prompt.text.startswith(state), (template, i, prompt.text[len(state) - 60:], state[-60:])
     assert prompt.text.count("<|turn>model") == 4 and "<|turn>system\nMind the user.<turn|>" in prompt.text
     assert '<tool_response|><turn|>\n<|turn>user\n<system-reminder>' in prompt.text  # the model turn closed
+    assert ("It is 12:01." in prompt.text) and (prompt.text.count("Let me see.") == ((3 if keep else 1) if thinking else 0))  # the last reply keeps its own
     partial = render(tok, messages + [{"role": "assistant", "content": "You"}], **kw, continue_final_message=True)
     assert partial.text == prompt.text + "You"  # an answer continued (Anthropic's prefill)
 

@@ -17,15 +17,15 @@ def loaded(tmp_path_factory):
     return mlx_mtp.load(make_chat_model(tmp_path_factory.mktemp("chat") / "model"), DRAFTER)
 
 
-def fresh(loaded, messages, max_tokens):
-    """The reference: the whole rendered conversation prefilled into a new cache, plain decoding."""
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return mlx_mtp.generate(loaded, prompt, max_tokens=max_tokens, mtp=False).tokens
+def fresh(conv, messages, max_tokens):
+    """The reference: the whole rendered conversation (earlier replies as generated, control
+    tokens the tiny model wrote included) prefilled into a new cache, plain decoding."""
+    return mlx_mtp.generate(conv.loaded, conv.render(messages), max_tokens=max_tokens, mtp=False).tokens
 
 
 def turn(conv, text, max_tokens=30, **kwargs):
     """(reply tokens, reference tokens, tokens fed to the model) of one turn."""
-    expected = fresh(conv.loaded, [*conv.messages, {"role": "user", "content": text}], max_tokens)
+    expected = fresh(conv, [*conv.messages, {"role": "user", "content": text}], max_tokens)
     events = list(conv.reply(text, max_tokens=max_tokens, draft_tokens=3, **kwargs))
     assert cached(conv) == len(conv.tokens) - 1  # the invariant generate_tokens relies on
     return [e.token for e in events], expected, conv.last_stats.prompt_tokens

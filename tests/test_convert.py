@@ -311,6 +311,24 @@ def test_cli(tmp_path):
     assert main([str(SOURCES["dense"]), str(tmp_path / "o2"), "--bits", "8", "--quiet"]) == 1  # needs -q
 
 
+def test_the_readmes_conversions_are_ones_the_converter_takes(tmp_path, capsys):
+    """Each command of the README's "Converting checkpoints" (`python -m convert`, `mlx-mtp-convert`)
+    passes the converter's own rules, not only argparse's: run as a --dry-run on the tiny checkpoints
+    (the tiny drafter for an -assistant source)."""
+    section = (REPO / "README.md").read_text().split("## Converting checkpoints", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("#", 1)[0].split() for line in section.splitlines()
+                if line.startswith(("python -m convert ", "mlx-mtp-convert "))]
+    assert len(commands) >= 4 and any(words[0] == "mlx-mtp-convert" for words in commands)
+    for words in commands:
+        source, _, *options = words[3:] if words[0] == "python" else words[1:]
+        src = TINY / "dense" / ("drafter" if "assistant" in source else "target")
+        rc = main([str(src), str(tmp_path / "out"), *options, "--dry-run", "--quiet"])
+        assert rc == 0, (words, capsys.readouterr().err)
+    assert main([str(SOURCES["dense"]), str(tmp_path / "out"), "-q", "--bits", "8", "--preset", "mixed_4_8",
+                 "--dry-run", "--quiet"]) == 1  # what the README showed: the preset sets the bits itself
+    assert "mixed_4_8 sets the bits itself" in capsys.readouterr().err
+
+
 def test_usage_names_how_the_converter_was_run(monkeypatch):
     from convert.convert import build_parser
 
@@ -440,3 +458,102 @@ def test_default_4bit_recipe_matches_mlx_community(google, community):
     vision = ("vision_tower.", "embed_vision.")  # kept in --dtype (tests/test_vision_convert.py)
     assert all(k.startswith("language_model.model.") for k in weights if not k.startswith(vision))
     assert not any(k.endswith(".scales") for k in weights if k.startswith(vision))
+
+
+# ---- the 12B (`gemma4_unified`) and its drafter, on tests/fixtures/unified --------------------------
+
+UNIFIED = Path(__file__).parent / "fixtures" / "unified"
+
+
+def unified_logits(model):
+    ids = mx.array(np.load(UNIFIED / "reference.npz")["prompt"][None])
+    return np.array(model(ids).logits[0].astype(mx.float32))
+
+
+def unified_embedders(path: Path):
+    from mlx_mtp.loading import load_weights, read_config, weight_files
+    from mlx_mtp.models.gemma4_unified import embedders_from_weights
+
+    return embedders_from_weights(read_config(path), load_weights(weight_files(path)))
+
+
+def embedded(embedders):
+    """Soft tokens of the fixture's first image and first audio clip."""
+    r = np.load(UNIFIED / "reference.npz")
+    real = (r["image_positions"][1] >= 0).all(-1)
+    image = embedders.image(r["image_codes"][1][real].astype(np.float32) / 255, r["image_positions"][1][real])
+    return np.array(image), np.array(embedders.audio(r["audio_frames"][1]))
+
+
+def test_unified_float32_conversion_is_exact(tmp_path):
+    out = convert(UNIFIED / "target", tmp_path / "out", dtype="float32", progress=False)
+    model, config, _ = load_model(out)
+    assert np.array_equal(unified_logits(model), unified_logits(load_model(UNIFIED / "target")[0]))
+    assert config["model_type"] == "gemma4_unified" and {"vision_config", "audio_config"} <= set(config)
+    text = config["text_config"]  # spelled out: mlx-lm's gemma4 defaults are not the unified ones
+    assert (text["max_position_embeddings"], text["hidden_size_per_layer_input"]) == (262144, 0)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {k.split(".")[0] for k in index} == {"language_model", "vision_embedder", "embed_vision", "embed_audio"}
+    ours, theirs = embedded(unified_embedders(out)), embedded(unified_embedders(UNIFIED / "target"))
+    assert all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+    assert load_model(convert(out, tmp_path / "again", dtype="float32", progress=False))[1] == config
+
+
+def test_unified_quantized_conversion(tmp_path):
+    import copy
+
+    from mlx_mtp.models.quantize import quantize
+
+    kw = dict(dtype="float32", quantize=True, bits=4, group_size=32, quantize_vision=True)
+    out = convert(UNIFIED / "target", tmp_path / "q4", progress=False, **kw)
+    model, config, _ = load_model(out)
+    ref = load_model(UNIFIED / "target")[0]
+    in_memory = copy.deepcopy(ref)
+    quantize(in_memory, {}, bits=4, group_size=32)
+    assert np.array_equal(unified_logits(model), unified_logits(in_memory))
+    assert float(np.abs(unified_logits(model) - unified_logits(ref)).max()) < BOUNDS[4][0]
+    embedders = unified_embedders(out)
+    assert "scales" in embedders.vision_embedder.patch_dense and "scales" in embedders.embed_audio.embedding_projection
+    assert "scales" not in embedders.embed_vision.embedding_projection  # 8 wide: no group of 32 fits
+    image, audio = embedded(embedders)
+    want_image, want_audio = embedded(unified_embedders(UNIFIED / "target"))
+    assert np.abs(image - want_image).max() < 0.5 and np.abs(audio - want_audio).max() < 0.5
+
+
+def test_unified_drafter_conversion(tmp_path):
+    from mlx_mtp.loading import load
+
+    pair = load(UNIFIED / "target", drafter=UNIFIED / "drafter")
+    plain, config, _ = run(UNIFIED / "drafter", tmp_path / "fp32", dtype="float32", quantize=True)
+    assert config["model_type"] == "gemma4_unified_assistant" and "quantization" not in config
+    kv = pair.target(mx.array(np.load(UNIFIED / "reference.npz")["prompt"][None])).shared_kv
+    token, hidden = pair.target.embed(mx.array([5])), mx.ones((1, 32))
+    position = mx.array([20], dtype=mx.int32)
+    want = pair.drafter.draft_step(token, hidden, kv, position).logits
+    assert np.array_equal(np.array(plain.draft_step(token, hidden, kv, position).logits), np.array(want))
+    quant, config, _ = run(UNIFIED / "drafter", tmp_path / "q8", dtype="float32", quantize_drafter=True, bits=8,
+                           group_size=32)
+    assert config["quantization"]["bits"] == 8 and "scales" in quant.pre_projection  # (16 wide: no group of 32)
+    quant.check_target(pair.target)
+
+
+def test_mlx_lm_loads_unified_conversion(tmp_path):
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    ids = mx.array(np.load(UNIFIED / "reference.npz")["prompt"][None])
+    for kw in ({"dtype": "float32"}, {"dtype": "float32", "quantize": True, "bits": 4, "group_size": 32}):
+        out = tmp_path / str(len(kw))
+        ours = run(UNIFIED / "target", out, **kw)[0]
+        theirs, _ = mlx_lm_load_model(out)
+        assert np.abs(np.array(theirs(ids)[0]) - unified_logits(ours)).max() < 1e-4, kw
+
+
+def test_unified_12b_dry_run_writes_mlx_community_names():
+    from convert.convert import plan
+
+    _, config, weights = plan(REAL / "google--gemma-4-12B-it", quantize=True, shapes_only=True, progress=False)
+    media = ("vision_embedder.", "embed_vision.", "embed_audio.")
+    assert all(k.startswith("language_model.model.") for k in weights if not k.startswith(media))
+    assert sum(k.startswith(media) for k in weights) == 11 and not any(k.endswith(".scales") for k in weights
+                                                                        if k.startswith(media))
+    assert config["quantization"]["bits"] == 4 and config["vocab_size"] == 262144

@@ -80,9 +80,14 @@ def test_bad_images_are_one_line_errors(tmp_path):
         str(tmp_path / "missing.png"): "no image file",
         3.5: "an image is a path",
     }
+    cases["data:text/plain;base64," + base64.b64encode(png.getvalue()).decode()] = "media type must be image"
     for source, words in cases.items():
-        with pytest.raises(ImageError, match=words):
+        with pytest.raises(ImageError, match=words) as e:
             process(source)
+        message = str(e.value)  # one clean line: no Python object (`<_io.BytesIO object at 0x...>`)
+        assert "\n" not in message and " object at 0x" not in message, message
+    assert str(pytest.raises(ImageError, process, b"not an image at all").value) == (
+        "image bytes is not a readable image (not in a format Pillow reads: PNG, JPEG, GIF, WebP, ...)")
     with pytest.raises(ImageError, match="one of 70, 140"):
         process(case_image(8, 8, "RGB"), budget=100)
 

@@ -183,7 +183,9 @@ history images jit kernels kernels.attn_input kernels.dispatch kernels.ffn kerne
 kernels.sdpa kernels.source loading lockstep memory mlx_build models models.base models.quantized
 output prefill prefix_cache prefix_disk prepare processors requests row sample speculative stats
 text threads vision worker""".split()
-ADDED_SINCE = ["kernels.routing"]  # modules written after the move (issue 42's router kernel), imported as their siblings are
+# modules written after the move (issue 42's router kernel; issue 49's split of formats.chat), imported as
+# their siblings are
+ADDED_SINCE = ["kernels.routing", "formats.markup", "formats.toolcall"]
 
 
 def test_import_mlx_mtp_loads_no_module_it_did_not_load_before_the_layers():

@@ -35,8 +35,7 @@ from mlx.utils import tree_flatten
 
 from mlx_mtp.cache.kv import FULL, SLIDING
 from mlx_mtp.loading import build_model
-from mlx_mtp.models import gemma4, gemma4_assistant
-from mlx_mtp.models.base import ConfigError
+from mlx_mtp.models import gemma4, gemma4_assistant, gemma4_unified, model_module
 
 REAL = Path(__file__).parent / "fixtures" / "real_configs"
 
@@ -53,12 +52,9 @@ MLX_E2B, MLX_E4B = "mlx-community--gemma-4-e2b-it-4bit", "mlx-community--gemma-4
 MLX_MOE, MLX_MOE_QAT = "mlx-community--gemma-4-26b-a4b-it-4bit", "mlx-community--gemma-4-26B-A4B-it-qat-4bit"
 NV_MOE, NV_DENSE = "nvidia--Gemma-4-26B-A4B-NVFP4", "nvidia--Gemma-4-31B-IT-NVFP4"
 
-TARGETS = [E2B, E4B, MOE_BASE, MOE, DENSE, DENSE_QAT,
+TARGETS = [E2B, E4B, MOE_BASE, MOE, DENSE, DENSE_QAT, UNIFIED, UNIFIED_IT,
            MLX_E2B, MLX_E4B, MLX_MOE, MLX_MOE_QAT, NV_MOE, NV_DENSE]
-ASSISTANTS = [E2B_ASSISTANT, DENSE_ASSISTANT, DENSE_QAT_ASSISTANT]
-UNSUPPORTED = {
-    UNIFIED: "gemma4_unified", UNIFIED_IT: "gemma4_unified", UNIFIED_ASSISTANT: "gemma4_unified_assistant",
-}
+ASSISTANTS = [E2B_ASSISTANT, DENSE_ASSISTANT, DENSE_QAT_ASSISTANT, UNIFIED_ASSISTANT]
 
 # The same text model under another name: parsed configs must be identical.
 SAME_TEXT_MODEL = [
@@ -142,13 +138,13 @@ def all_config_dirs() -> list[str]:
 
 
 def test_fixture_set_is_complete():
-    assert set(all_config_dirs()) == set(TARGETS) | set(ASSISTANTS) | set(UNSUPPORTED)
+    assert set(all_config_dirs()) == set(TARGETS) | set(ASSISTANTS)
 
 
 @pytest.mark.parametrize("name", TARGETS + ASSISTANTS)
 def test_config_parses_without_unknown_keys(name, caplog):
     raw = config(name)
-    module = gemma4_assistant if raw["model_type"] == "gemma4_assistant" else gemma4
+    module = model_module(raw["model_type"])
     with caplog.at_level(logging.DEBUG, logger="mlx_mtp"):
         module.Config.from_dict(raw)
     # Every key of the released files is either used or deliberately ignored.
@@ -179,23 +175,43 @@ def test_unknown_key_is_logged_not_fatal(caplog):
                for r in caplog.records)
 
 
-@pytest.mark.parametrize("name, model_type", sorted(UNSUPPORTED.items()))
-def test_gemma4_unified_is_refused_clearly(name, model_type):
-    with pytest.raises(ConfigError, match=f"unsupported model_type '{model_type}'"):
-        build_model(config(name))
+@pytest.mark.parametrize("name", [UNIFIED, UNIFIED_IT, UNIFIED_ASSISTANT])
+def test_gemma4_unified_builds_with_its_own_defaults(name):
+    model = built(name)
+    cfg = model.config.text if name == UNIFIED_ASSISTANT else model.config
+    assert type(cfg) is gemma4_unified.Config and type(model) is model_module(config(name)["model_type"]).Model
 
 
 def test_gemma4_unified_text_config_is_plain_gemma4():
     """12B's text decoder (`gemma4_unified_text`) is the 31B-style dense k_eq_v decoder:
     transformers 5.23 builds it from Gemma4TextAttention / Gemma4TextMLP with no PLE or MoE,
-    and the assistant class is Gemma4AssistantForCausalLM unchanged. Our classes parse both."""
-    t = text_cfg(UNIFIED_IT)
+    and the assistant class is Gemma4AssistantForCausalLM unchanged. The released file spells out
+    every key, so gemma4's defaults parse it as the unified ones do."""
+    t = gemma4_unified.Config.from_dict(config(UNIFIED_IT))
+    assert dataclasses.asdict(t) == dataclasses.asdict(text_cfg(UNIFIED_IT))
     assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size) == (48, 3840, 15360)
     assert t.attention_k_eq_v and not t.enable_moe_block and t.hidden_size_per_layer_input == 0
     assert (t.layer_kv_heads(0), t.layer_kv_heads(5)) == (8, 1)
+    assert (t.layer_head_dim(0), t.layer_head_dim(5)) == (256, 512)
     assert (t.store_layer(SLIDING), t.store_layer(FULL)) == (46, 47)
-    drafter = gemma4_assistant.Model(gemma4_assistant.Config.from_dict(config(UNIFIED_ASSISTANT)))
-    drafter.check_target(gemma4.Model(t))
+    assert (t.sliding_window, t.max_position_embeddings, t.use_bidirectional_attention) == (1024, 262144, "vision")
+    assert "embed_tokens_per_layer" not in built(UNIFIED_IT).model  # vocab_size_per_layer_input 262144 is dead
+    assert built(UNIFIED_ASSISTANT).config.backbone_hidden_size == 3840
+
+
+def test_gemma4_unified_defaults_where_keys_are_absent():
+    """transformers' `Gemma4UnifiedTextConfig` defaults, not `Gemma4TextConfig`'s: a unified config
+    that omits them gets no per-layer embeddings (gemma4's default is 256), window 1024 and 262144
+    positions; its PLE and MoE keys are read by nothing, as in transformers."""
+    text = {k: v for k, v in config(UNIFIED_IT)["text_config"].items()
+            if k not in ("sliding_window", "max_position_embeddings", "hidden_size_per_layer_input",
+                         "global_head_dim", "use_bidirectional_attention")}
+    t = gemma4_unified.Config.from_dict(text)
+    assert (t.sliding_window, t.max_position_embeddings, t.hidden_size_per_layer_input) == (1024, 262144, 0)
+    assert t.layer_head_dim(5) == 512 and t.use_bidirectional_attention == "vision"
+    assert gemma4.Config.from_dict(text).hidden_size_per_layer_input == 256  # why the unified class exists
+    dead = gemma4_unified.Config.from_dict({**text, "hidden_size_per_layer_input": 256, "enable_moe_block": True})
+    assert dead.hidden_size_per_layer_input == 0 and not dead.enable_moe_block
 
 
 # ---- derived geometry ------------------------------------------------------------------
@@ -302,6 +318,8 @@ OUR_COUNTS = {
     DENSE: 30_697_345_340,
     E2B_ASSISTANT: 77_993_476,
     DENSE_ASSISTANT: 469_518_596,
+    UNIFIED_IT: 11_907_350_320,  # research gemma4-audio-unified.md §1.8 (formula run against transformers)
+    UNIFIED_ASSISTANT: 422_856_964,  # ibid. §1.9
 }
 
 
@@ -311,7 +329,7 @@ def test_exact_parameter_counts(name):
 
 
 @pytest.mark.parametrize("a, b", [(MOE, MOE_BASE), (DENSE, DENSE_QAT), (DENSE, NV_DENSE), (MOE, NV_MOE),
-                                  (DENSE_ASSISTANT, DENSE_QAT_ASSISTANT)])
+                                  (DENSE_ASSISTANT, DENSE_QAT_ASSISTANT), (UNIFIED_IT, UNIFIED)])
 def test_variant_counts_match(a, b):
     assert n_params(built(a)) == n_params(built(b))
 
@@ -341,11 +359,13 @@ def test_31b_matches_checkpoint_bytes():
 
 def test_12b_text_decoder_matches_checkpoint_bytes():
     """google/gemma-4-12B-it: one model.safetensors of 23,919,549,408 bytes, 677 tensors (shared
-    SOURCES.md §5). Our gemma4 decoder built from its text_config + its two embedders fill it
-    up to the header: the unified text decoder is parameter-for-parameter ours."""
+    SOURCES.md §5). Our 12B decoder and embedders built from its config fill it up to the header:
+    the unified text decoder is parameter-for-parameter ours, and so are its embedders."""
     cfg = config(UNIFIED_IT)
-    text = n_params(gemma4.Model(gemma4.Config.from_dict(cfg)))
-    header = 23_919_549_408 - 2 * (text + unified_embedder_params(cfg))
+    embedders = gemma4_unified.Embedders.from_config(cfg)
+    assert n_params(embedders) == unified_embedder_params(cfg) == 49_922_304 + 2_457_600  # research §1.8
+    assert len(tree_flatten(embedders.parameters())) == 10 + 1  # the checkpoint's vision and audio tensors
+    header = 23_919_549_408 - 2 * (n_params(built(UNIFIED_IT)) + n_params(embedders))
     assert 0 < header < 2**20
 
 
@@ -403,7 +423,7 @@ def test_published_e2b_vision_tower():
 
 def test_published_12b():
     cfg = config(UNIFIED_IT)
-    text = n_params(gemma4.Model(gemma4.Config.from_dict(cfg))) - cfg["text_config"]["num_hidden_layers"]
+    text = n_params(built(UNIFIED_IT)) - cfg["text_config"]["num_hidden_layers"]
     assert text + unified_embedder_params(cfg) == pytest.approx(11.95e9, rel=0.005)  # 11,959,730,176
 
 
@@ -445,7 +465,8 @@ def test_published_assistant_sizes():
 
 @pytest.mark.parametrize("drafter, target", [(E2B_ASSISTANT, E2B), (DENSE_ASSISTANT, DENSE),
                                              (DENSE_QAT_ASSISTANT, DENSE_QAT), (DENSE_ASSISTANT, NV_DENSE),
-                                             (E2B_ASSISTANT, MLX_E2B)])
+                                             (E2B_ASSISTANT, MLX_E2B), (UNIFIED_ASSISTANT, UNIFIED_IT),
+                                             (UNIFIED_ASSISTANT, UNIFIED)])
 def test_check_target_accepts_its_target(drafter, target):
     built(drafter).check_target(built(target))
 
@@ -462,6 +483,8 @@ def test_check_target_rejects_a_foreign_target():
         built(DENSE_ASSISTANT).check_target(built(E2B))
     with pytest.raises(ValueError, match="backbone_hidden_size 5376 != target hidden 2816"):
         built(DENSE_ASSISTANT).check_target(built(MOE))
+    with pytest.raises(ValueError, match="backbone_hidden_size 3840 != target hidden 5376"):
+        built(UNIFIED_ASSISTANT).check_target(built(DENSE))
 
 
 # ---- mlx-community quantization records -------------------------------------------------
@@ -520,3 +543,19 @@ def test_nvfp4_configs_build_unquantized(name):
     # build_model makes the bf16 model; the NVFP4 weights themselves are not loadable.
     assert config(name)["quantization_config"]["quant_method"] == "modelopt"
     assert not [p for p, m in built(name).named_modules() if hasattr(m, "bits")]
+
+
+def test_12b_takes_an_mlx_community_record():
+    """A 4-bit mlx-community-style record on the 12B (mlx-vlm / mlx-lm names, `language_model.model.*`
+    overrides, as for the 26B): every text layer quantized, the override where it names a layer."""
+    raw = config(UNIFIED_IT)
+    raw["quantization"] = {"group_size": 64, "bits": 4, "mode": "affine",
+                           "language_model.model.layers.47.mlp.down_proj": {"group_size": 64, "bits": 8}}
+    model = build_model(raw)
+    assert _unquantized_layers(model) == []
+    layers = model.model.layers
+    assert _quantized(layers[47].mlp.down_proj) == (8, 64, "affine")
+    for m in (layers[0].self_attn.qkv_proj, layers[47].self_attn.qkv_proj, layers[0].mlp.down_proj,
+              model.model.embed_tokens):
+        assert _quantized(m) == (4, 64, "affine")
+

@@ -154,6 +154,17 @@ def test_a_prompt_over_the_context_is_refused_in_each_apis_words(claude, gpt, sc
                                                 "8192, decrease input length or `max_tokens` and try again")
     assert claude.messages.create(model=MODEL, max_tokens=8192 - n, messages=fits).stop_reason == "end_turn"
 
+    with pytest.raises(anthropic.BadRequestError) as e:  # a max_tokens no reply can reach: both refuse it
+        claude.messages.create(model=MODEL, max_tokens=10**9, messages=fits)
+    assert "exceed context limit" in e.value.body["error"]["message"]
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            gpt.chat.completions.create(model=MODEL, messages=fits, **{field: 10**9})
+        assert (e.value.body["param"], e.value.body["code"]) == (field, "invalid_value")
+    with pytest.raises(openai.BadRequestError) as e:
+        gpt.completions.create(model=MODEL, prompt=PARIS, max_tokens=10**9, stream=True)
+    assert e.value.body["message"].startswith("max_tokens is too large: 1000000000.")
+
     with pytest.raises(openai.BadRequestError) as e:
         gpt.chat.completions.create(model=MODEL, max_tokens=10, messages=long, stream=True)
     assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "messages")

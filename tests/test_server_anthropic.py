@@ -102,14 +102,73 @@ def test_thinking_on_and_off(client):
     off = ask(client, SEVEN)  # the server's default: off
     assert blocks(off) == [{"type": "text", "text": "42, of course."}]
     assert blocks(ask(client, SEVEN, thinking={"type": "disabled"})) == blocks(off)
-    # earlier thinking goes back as the model wrote it (where the template would drop it)
+    # earlier thinking is left out once a new user message comes, as the template does; `keep_thinking` keeps it
     again = [{"role": "user", "content": SEVEN}, {"role": "assistant", "content": on.content},
              {"role": "user", "content": "Thanks!"}]
     thinking = {"type": "enabled", "budget_tokens": 2048}
-    kept = client.messages.count_tokens(model=MODEL, messages=again, thinking=thinking).input_tokens
+    dropped = client.messages.count_tokens(model=MODEL, messages=again, thinking=thinking).input_tokens
+    kept = client.messages.count_tokens(model=MODEL, messages=again, thinking=thinking,
+                                        extra_body={"keep_thinking": True}).input_tokens
     without = client.messages.count_tokens(model=MODEL, thinking=thinking, messages=[
         again[0], {"role": "assistant", "content": [{"type": "text", "text": "The answer is 42."}]}, again[2]])
+    assert dropped == without.input_tokens
     assert kept == without.input_tokens + len("<|channel>thought\nSix sevens make 42.<channel|>") - 18  # 2 tags
+    template = client.messages.count_tokens(model=MODEL, messages=again, thinking=thinking,
+                                            extra_body={"history": "template"}).input_tokens
+    assert template == dropped  # the template drops it too, and writes the rest as generated here
+
+
+UNASKED = "Do you think before you answer, when nobody asks you to?"
+
+
+@pytest.fixture(scope="module")
+def thinking_default(tmp_path_factory):
+    """The scripted model served in-process with thinking on by default (`--enable-thinking`): it
+    reasons when the prompt turns thinking on, and with it off opens a reasoning channel anyway."""
+    import scripted
+    from starlette.testclient import TestClient
+
+    from mlx_mtp.engine.engine import Engine
+    from mlx_mtp.server.app import Settings, create_app, served_model
+
+    script = [(scripted.ask(UNASKED, thinking=True), "<|channel>thought\nAsked to.<channel|>Yes.<turn|>"),
+              (scripted.ask(UNASKED), "<|channel>thought\nUnasked.<channel|>No.<turn|>")]
+    model = scripted.make_scripted_model(tmp_path_factory.mktemp("thinking") / "model")
+    loaded = scripted.load_scripted(model, script)
+    with Engine(loaded) as engine:
+        yield TestClient(create_app(engine, Settings(served_model(loaded, MODEL, thinking=True))))
+
+
+def sse_blocks(text: str) -> list:
+    """The content blocks of an Anthropic stream: (type, its text as the deltas carried it)."""
+    found = []
+    for event in text.strip().split("\n\n"):
+        data = json.loads(event.split("\n")[1].removeprefix("data: "))
+        if data["type"] == "content_block_start":
+            found.append([data["content_block"]["type"], ""])
+        elif data["type"] == "content_block_delta":
+            found[-1][1] += data["delta"].get("text", data["delta"].get("thinking", ""))
+    return [tuple(b) for b in found]
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "disabled"}], ids=["not-asked", "disabled"])
+def test_no_thinking_block_unless_thinking_is_asked_for(thinking_default, thinking):
+    """Not asked for, thinking is off whatever the server's default (OpenAI requests' only), and
+    reasoning the model writes on its own stays hidden: no thinking block, whole or streamed."""
+    body = {"model": MODEL, "max_tokens": 100, "messages": [{"role": "user", "content": UNASKED}],
+            **({"thinking": thinking} if thinking else {})}
+    whole = thinking_default.post("/v1/messages", json=body)
+    assert whole.status_code == 200 and whole.json()["content"] == [{"type": "text", "text": "No."}]
+    streamed = thinking_default.post("/v1/messages", json={**body, "stream": True})
+    assert sse_blocks(streamed.text) == [("text", "No.")]
+    asked = {**body, "thinking": {"type": "adaptive"}}
+    content = thinking_default.post("/v1/messages", json=asked).json()["content"]
+    assert [b["type"] for b in content] == ["thinking", "text"]
+    assert sse_blocks(thinking_default.post("/v1/messages", json={**asked, "stream": True}).text) == [
+        ("thinking", "Asked to."), ("text", "Yes.")]
+    plain = {k: v for k, v in body.items() if k != "thinking"}
+    openai = thinking_default.post("/v1/chat/completions", json=plain).json()
+    assert openai["choices"][0]["message"]["reasoning_content"] == "Asked to."  # the server's default
 
 
 def test_parallel_calls(client):

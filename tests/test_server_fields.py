@@ -124,3 +124,25 @@ def test_an_openai_tool_result_must_answer_a_call(result, message):
     assert str(e) == message and e.param == "messages.[2].tool_call_id"
     alone = [USER, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]  # no call before it
     refused(lambda b, m: openai_chat(b), {"messages": alone})
+
+
+# ---- max_tokens ----------------------------------------------------------------------------------
+
+
+CHAT, COMPLETION = (protocol.parse_chat, {"messages": [USER]}), (protocol.parse_completion, {"prompt": "Hi"})
+
+
+@pytest.mark.parametrize("parse, prompt, field", [(*CHAT, "max_tokens"), (*CHAT, "max_completion_tokens"),
+                                                  (*COMPLETION, "max_tokens")])
+def test_an_openai_max_tokens_past_the_context_is_refused_in_openais_words(parse, prompt, field):
+    """As OpenAI refuses a max_tokens its model cannot write (Anthropic's route refuses it too, "input
+    length and `max_tokens` exceed context limit"); the context itself is taken, and is the default."""
+    e = refused(parse, {"model": "m", **prompt, field: 1_000_000_000})
+    assert str(e) == (f"{field} is too large: 1000000000. This model supports at most 8192 completion "
+                      "tokens, whereas you provided 1000000000.")
+    assert e.body()["error"] == {"message": str(e), "type": "invalid_request_error", "param": field,
+                                 "code": "invalid_value"}
+    assert parse({"model": "m", **prompt, field: 8192}, MODEL).request.max_tokens == 8192
+    assert parse({"model": "m", **prompt}, MODEL).request.max_tokens == 8192
+    if field == "max_completion_tokens":  # the newer field wins where both are sent
+        assert parse({"model": "m", **prompt, field: 9, "max_tokens": 99}, MODEL).request.max_tokens == 9

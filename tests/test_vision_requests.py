@@ -160,6 +160,37 @@ def test_bad_images_are_400s_in_each_apis_words(api, source, words):
     assert b.json()["error"]["type"] == "invalid_request_error" and "not a readable image" in b.json()["error"]["message"]
 
 
+def test_what_is_no_image_type_is_refused_in_each_apis_words(api):
+    """A PNG sent as `data:text/plain` (OpenAI takes image types only) or as `image/tiff` (Anthropic
+    takes JPEG, PNG, GIF and WebP) is a 400 in that API's own words; as image/png it is taken."""
+    import base64
+
+    client, _ = api
+    data = base64.b64encode(png(picture(40, 30))).decode()
+    a = client.post("/v1/chat/completions", json=openai_body("data:text/plain;base64," + data))
+    assert a.status_code == 400 and a.json()["error"] == {
+        "message": "Invalid MIME type. Only image types are supported.", "type": "invalid_request_error",
+        "param": None, "code": "invalid_image_format"}
+    b = client.post("/v1/messages", json=anthropic_body(data, media="image/tiff"))
+    assert b.status_code == 400 and b.json() == {"type": "error", "error": {"type": "invalid_request_error",
+        "message": "messages.0.content.0.image.source.base64.media_type: Input should be 'image/jpeg', "
+                   "'image/png', 'image/gif' or 'image/webp'"}}
+    url = "data:image/png;base64," + data
+    assert client.post("/v1/chat/completions", json=openai_body(url)).status_code == 200
+    assert client.post("/v1/messages", json=anthropic_body(data)).status_code == 200
+
+
+def test_openai_says_which_parts_a_message_takes():
+    from mlx_mtp.server import protocol
+    from mlx_mtp.server.common import APIError, ServedModel
+
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    for role, parts in (("user", "text and image_url parts"), ("assistant", "text parts")):
+        with pytest.raises(APIError) as e:
+            protocol.parse_chat({"messages": [{"role": role, "content": [audio]}]}, ServedModel("m", 64, 128))
+        assert str(e.value) == f"messages[0].content must be a string or a list of {parts}"
+
+
 def test_count_tokens_counts_soft_tokens(api):
     import base64
 

@@ -33,6 +33,7 @@ MODES = {
     "learn": ("learn", "run_learn"),
     "prefill": ("prefill", "run_prefill"),
     "primitives": ("primitives", "run_primitives"),
+    "histories": ("histories", "run_histories"),
 }
 
 
@@ -232,6 +233,10 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill_tokens of each configuration (the first is the baseline; under --chunk: one "
                         "row at a time)")
     f.set_defaults(repeats=3)
+
+    h = sub.add_parser("histories", help="prefilled / new prompt tokens per history mode, thinking off/on")
+    common(h, "histories")
+    h.set_defaults(repeats=1)
 
     c = sub.add_parser("primitives", help="graph nodes per layer and step per path, counted")
     common(c, "primitives")

@@ -149,14 +149,16 @@ def evaluate(target_dir, drafter_dir, n_prompts=30, max_tokens=64, k=3, seed=0, 
 def main(argv=None):
     from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=str(TARGET_DIR))
-    p.add_argument("--drafter", default=str(DRAFTER_DIR))
-    p.add_argument("--prompts", type=int, default=30)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="write the full result here")
+    p = argparse.ArgumentParser(prog="python -m apps.demo_pair.eval_acceptance",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=str(TARGET_DIR), help="target model dir (default: the demo pair's)")
+    p.add_argument("--drafter", default=str(DRAFTER_DIR), help="its drafter dir (default: the demo pair's)")
+    p.add_argument("--prompts", type=int, default=30,
+                   help="prompts cut from the held-out stdlib files, 64-128 tokens each (default: 30)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default: 64)")
+    p.add_argument("--k", type=int, default=3, help="the fixed draft length compared with auto (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' offsets (default: 0)")
+    p.add_argument("--json", type=Path, help="write the full result here (default: printed only)")
     a = p.parse_args(argv)
     res = evaluate(a.target, a.drafter, a.prompts, a.max_tokens, a.k, a.seed)
     for name, g in res["results"].items():

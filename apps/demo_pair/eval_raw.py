@@ -54,9 +54,10 @@ def evaluate(engine: Engine, prompts, max_tokens: int, **options) -> dict:
     texts = []
     for name, head in prompts:
         session = chat.Completion(engine)
-        text = "".join(e.text for e in session.reply(head, max_tokens=max_tokens, **options))
+        stream = chat.LoopStop(session.reply(head, max_tokens=max_tokens, **options))
+        text = "".join(e.text for e in stream)
         s = session.last_stats
-        kind = "loops" if session.note else "length" if s.emitted >= max_tokens else "ends"
+        kind = "loops" if stream.note else "length" if s.emitted >= max_tokens else "ends"
         counts[kind] += 1
         counts["tokens"] += s.emitted - 1  # after the prompt's token, as the stat line counts them
         counts["mtp_tokens"] += max(s.emitted - 1 - s.plain_steps, 0) if s.rounds else 0
@@ -70,15 +71,19 @@ def evaluate(engine: Engine, prompts, max_tokens: int, **options) -> dict:
 def main(argv=None) -> dict:
     from mlx_mtp.demo import DRAFTER_DIR, TARGET_DIR
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default=str(TARGET_DIR))
-    p.add_argument("--drafter", default=str(DRAFTER_DIR))
-    p.add_argument("--headers", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=chat.RAW_TOKENS)
-    p.add_argument("--repetition", type=float, nargs="+", default=[1.0], help="repetition penalties to compare")
-    p.add_argument("--draft-tokens", type=draft_tokens, nargs="+", default=["auto"])
-    p.add_argument("--json", type=Path, help="write the completions and counts here")
+    p = argparse.ArgumentParser(prog="python -m apps.demo_pair.eval_raw", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=str(TARGET_DIR), help="target model dir (default: the demo pair's)")
+    p.add_argument("--drafter", default=str(DRAFTER_DIR), help="its drafter dir (default: the demo pair's)")
+    p.add_argument("--headers", type=int, default=20,
+                   help="held-out function headers to complete (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the headers drawn (default: 0)")
+    p.add_argument("--max-tokens", type=int, default=chat.RAW_TOKENS,
+                   help=f"per completion, as the chat's --raw (default: {chat.RAW_TOKENS})")
+    p.add_argument("--repetition", type=float, nargs="+", default=[1.0],
+                   help="repetition penalties to compare (default: 1.0, none)")
+    p.add_argument("--draft-tokens", type=draft_tokens, nargs="+", default=["auto"], metavar="N|auto",
+                   help="draft lengths to compare, 0-6 or auto (default: auto)")
+    p.add_argument("--json", type=Path, help="write the completions and counts here (default: printed only)")
     a = p.parse_args(argv)
     prompts = headers(a.headers, a.seed)
     results = {}

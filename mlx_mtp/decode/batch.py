@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Callable, Hashable, Optional, Sequence, Union
 
@@ -41,6 +42,8 @@ from .stats import Stats
 from ..runtime.threads import mark_mlx_thread
 
 SEEDED_K = 3  # draft length of a seeded, sampled row under "auto" (see `insert`)
+BAN = -1e9  # the logit bias that bans a token (processors apply it to the drafts and the verify alike)
+log = logging.getLogger("mlx_mtp")
 
 
 class ContextLengthError(ValueError):
@@ -89,6 +92,18 @@ def _processing(penalties: Penalties, grammar, logprobs: Optional[int], start: i
     if processing.active and pipelined:
         raise ValueError("grammars, penalties, logit bias and logprobs are not supported under pipeline parallelism")
     return processing
+
+
+def _suppressed(target: TargetModel, pipelined: bool) -> tuple:
+    """(token, BAN) for each token the model never generates (its generation config's `suppress_tokens`,
+    which the loader puts in its config: the 12B's image and audio end markers). Banned here, in every
+    row's logit bias, so that every front end's rows (`generate`, the `Engine`, direct callers) honour them,
+    drafts included. Under pipeline parallelism no logit processing runs: they are not applied."""
+    tokens = sorted({int(t) for t in getattr(target.config, "suppress_tokens", ()) if 0 <= t < target.vocab_size})
+    if tokens and pipelined:
+        log.warning("suppress_tokens %s are not applied under pipeline parallelism", tokens)
+        return ()
+    return tuple((t, BAN) for t in tokens)
 
 
 @dataclasses.dataclass
@@ -207,6 +222,7 @@ class BatchGenerator:
         self._uids = 0
         self.lengths = DraftLengths()
         self.lockstep: Lockstep = getattr(target, "pipeline", None) or ALONE  # ranks of a pipeline group
+        self.suppress = _suppressed(target, pipelined=self.lockstep is not ALONE)
         self.prefill_tokens = prefill_tokens or prefill_chunk
         self.prefill = Prefill(target, prefill_chunk, self.prefill_tokens, prefix_cache, self.lockstep.share,
                                self.stats)
@@ -269,6 +285,8 @@ class BatchGenerator:
                    draft if mtp and self.proposer is not None else None, marks - {0}, owner)
         row.stats = stats if stats is not None else row.stats
         row.images = images
+        if self.suppress:
+            penalties = dataclasses.replace(penalties, logit_bias=(*penalties.logit_bias, *self.suppress))
         row.processing = _processing(penalties, grammar, logprobs, len(ids), self.target.vocab_size,
                                      pipelined=self.lockstep is not ALONE)
         self.lockstep.inserting(self, row)

@@ -36,12 +36,12 @@ class MTPProposer:
         key = None if plan.greedy else params_key(plan.params)
         for i in range(k):
             out = self.drafter.draft_step(self.target.embed(tokens), hidden, shared, position, step)
-            logits = None
+            logits = None  # processed: None where nothing changes them (no processors, or logprobs alone)
             if processors is not None:
                 logits = processors.draft_logits(out.full_logits(self.target.vocab_size), drafted, state.history,
                                                  position)
-            if plan.greedy and processors is None:  # (B, 1) columns: no view to stack them; one to embed
-                drafted.append(out.argmax(keepdims=True))
+            if plan.greedy and logits is None:  # the drafter's own argmax (no grammar: nothing is forced),
+                drafted.append(out.argmax(keepdims=True))  # in (B, 1) columns: no view to stack; one to embed
                 tokens, hidden = drafted[-1].reshape(-1), out.hidden
                 continue
             if plan.greedy:

@@ -36,10 +36,12 @@ def encode(loaded, prompt: Union[str, Sequence[int]]) -> list[int]:
 
 
 class Detokenizer:
-    """Turns one row's `RowEvent`s into per-token `TextEvent`s with streamed text."""
+    """Turns one row's `RowEvent`s into per-token `TextEvent`s with streamed text; the tokens in
+    `hidden` (a chat reply's control tokens that are no text) add none."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, hidden: frozenset = frozenset()):
         self.eos = loaded.eos_ids
+        self.hidden = hidden
         tokenizer = loaded.tokenizer
         self.detok = tokenizer.detokenizer if tokenizer is not None else None  # a fresh copy
         self.size = len(tokenizer) if tokenizer is not None else 0  # ids it can spell
@@ -56,7 +58,7 @@ class Detokenizer:
         if self.detok is None:
             return ""
         # A stop token adds no text; an id past the tokenizer's end has none to add.
-        if token not in self.eos and 0 <= token < self.size:
+        if token not in self.eos and token not in self.hidden and 0 <= token < self.size:
             self.detok.add_token(token)
         if finish:
             self.detok.finalize()

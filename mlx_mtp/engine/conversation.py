@@ -27,19 +27,21 @@ class Conversation:
         system: optional system message.
         enable_thinking: the template's switch for reasoning before the answer.
         engine: the engine to run on (default: a private one).
+        keep_thinking: earlier replies keep their reasoning in later prompts (by default it is left
+            out once the next user message follows, as Gemma 4's model card asks).
 
-    `messages` is a plain list of {"role", "content"} dicts, replies as the model wrote them
-    (the template drops earlier reasoning): callers may edit it between turns (drop the last
-    exchange, edit a message); the next `reply` reuses whatever stored state still matches.
+    `messages` is a plain list of {"role", "content"} dicts, replies as assistant messages
+    (`content`, `reasoning_content`, `tool_calls`): callers may edit it between turns (drop the
+    last exchange, edit a message); the next `reply` reuses whatever stored state still matches.
     """
 
     def __init__(self, loaded, system: Optional[str] = None, enable_thinking: bool = False,
-                 engine: Optional[Engine] = None):
+                 engine: Optional[Engine] = None, keep_thinking: bool = False):
         if loaded.tokenizer is None:
             raise ValueError("a conversation needs a tokenizer: the model directory has none")
         self.loaded = loaded
         self.engine = engine if engine is not None else Engine(loaded, max_batch=1, prompt_cache_bytes=0)
-        self.id = self.engine.conversations.new(system, enable_thinking)
+        self.id = self.engine.conversations.new(system, enable_thinking, keep_thinking)
         self.history = self.engine.conversations.history(self.id)
         self.last_stats: Optional[Stats] = None
         self.last_done: Optional[DoneEvent] = None  # how the last reply ended
@@ -63,6 +65,10 @@ class Conversation:
     @property
     def enable_thinking(self) -> bool:
         return self.history.enable_thinking
+
+    @property
+    def keep_thinking(self) -> bool:
+        return self.history.keep_thinking
 
     def render(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` followed by the model's generation prompt."""

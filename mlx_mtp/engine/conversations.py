@@ -30,9 +30,10 @@ class Conversations:
         self._lock = threading.Lock()
         self._closed = False
 
-    def new(self, system: Optional[str] = None, enable_thinking: bool = False) -> int:
-        """Start a conversation (optionally with a system message, or thinking); returns its id."""
-        history = History(self.loaded, system=system, enable_thinking=enable_thinking)
+    def new(self, system: Optional[str] = None, enable_thinking: bool = False, keep_thinking: bool = False) -> int:
+        """Start a conversation (optionally with a system message, thinking, earlier thinking kept
+        in its prompts: `History`); returns its id."""
+        history = History(self.loaded, system=system, enable_thinking=enable_thinking, keep_thinking=keep_thinking)
         with self._lock:
             self._check_open()
             conversation_id = next(self._ids)

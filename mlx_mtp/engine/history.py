@@ -3,7 +3,8 @@ and the turn being generated.
 
 Each turn renders the whole conversation with the tokenizer's chat template, each earlier reply
 as the model generated it (`chat_format.render(..., as_generated=True)`: templates trim replies
-or rewrite them, and the reply's own token ids are kept to be spliced back in), and feeds the
+or rewrite them, and the reply's own token ids are kept to be spliced back in) less its reasoning
+once the user's next message follows (unless `keep_thinking`), and feeds the
 model only what no stored state covers: a conversation is a client of the engine's prefix cache
 (`PrefixCache`) that pins the states its latest turn left (before and after the prompt's last
 token, after each turn of the rendering, after the reply). Where a template still re-renders a
@@ -19,7 +20,7 @@ import collections
 import dataclasses
 import itertools
 import threading
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ..formats import chat as chat_format
 from ..decode.batch import BatchGenerator, ContextLengthError
@@ -29,9 +30,9 @@ _KEYS = itertools.count()
 
 
 class Replies:
-    """Replies' token ids as generated (without the stop token), by their text: what a history
-    sent back as text renders as (`chat_format.render_spliced`). The most recent `limit`, from
-    any thread."""
+    """Replies' token ids as generated (without the stop token), by their text as a client reads it
+    (its content): what a history sent back as text renders as (`chat_format.render_spliced`).
+    The most recent `limit`, from any thread."""
 
     def __init__(self, loaded, limit: Optional[int] = None):
         self.loaded, self.limit = loaded, limit
@@ -42,16 +43,19 @@ class Replies:
         with self._lock:
             return self._ids.get(text)
 
-    def record(self, reply: Sequence[int]) -> str:
-        """Keep a reply's ids under its text; returns the text (without the stop token)."""
-        ids = list(reply[:-1] if reply and reply[-1] in self.loaded.eos_ids else reply)
-        text = self.loaded.tokenizer.decode(ids)
+    def record(self, reply: Sequence[int], message: Mapping) -> None:
+        """Keep a reply's ids under its content as a client reads it (`message`, the reply as an
+        assistant message)."""
+        ids, text = self.ids(reply), message.get("content") or ""
         with self._lock:
             self._ids[text] = ids
             self._ids.move_to_end(text)
             while self.limit is not None and len(self._ids) > self.limit:
                 self._ids.popitem(last=False)
-        return text
+
+    def ids(self, reply: Sequence[int]) -> list[int]:
+        """A reply's ids without its stop token."""
+        return list(reply[:-1] if reply and reply[-1] in self.loaded.eos_ids else reply)
 
     def clear(self) -> None:
         with self._lock:
@@ -76,19 +80,22 @@ class History:
         loaded: a `load()`ed model with a tokenizer that has a chat template.
         system: optional system message.
         enable_thinking: the template's switch for reasoning before the answer.
+        keep_thinking: earlier replies keep their reasoning in later prompts (by default it is
+            left out once the next user message follows, as Gemma 4's model card asks).
 
-    `messages` is a plain list of {"role", "content"} dicts, replies as the model wrote them
-    (the template drops earlier reasoning): callers may edit it between turns (drop the last
-    exchange, edit a message); the next turn reuses whatever stored state still matches.
+    `messages` is a plain list of {"role", "content"} dicts, replies as assistant messages
+    (`content`, `reasoning_content`, `tool_calls`): callers may edit it between turns (drop the
+    last exchange, edit a message); the next turn reuses whatever stored state still matches.
     """
 
-    def __init__(self, loaded, system: Optional[str] = None, enable_thinking: bool = False):
+    def __init__(self, loaded, system: Optional[str] = None, enable_thinking: bool = False,
+                 keep_thinking: bool = False):
         if loaded.tokenizer is None:
             raise ValueError("a conversation needs a tokenizer: the model directory has none")
         self.loaded = loaded
         self.system = system
         self.key = f"conversation-{next(_KEYS)}"  # what pins its states in a prefix cache
-        self.enable_thinking = enable_thinking
+        self.enable_thinking, self.keep_thinking = enable_thinking, keep_thinking
         self.messages: list[dict] = []
         self.tokens: list[int] = []  # the conversation as the model saw it, replies included
         self.replies = Replies(loaded)  # its replies' ids as generated, to render them as generated
@@ -100,6 +107,7 @@ class History:
         self._check_idle()
         self.messages[:] = [{"role": "system", "content": self.system}] if self.system else []
         self.tokens, self._reply = [], 0  # _reply: the last reply's length, at the end of `tokens`
+        self._prompt: Optional[Prompt] = None  # the last reply's prompt
         self.replies.clear()
 
     def render(self, messages: list[dict]) -> list[int]:
@@ -134,9 +142,9 @@ class History:
     def end(self, turn: Turn, reply: list[int]) -> None:
         """Finish a turn: keep the reply as streamed (a turn that streamed nothing is dropped)."""
         self.busy = False
-        self.tokens, self._reply = turn.prompt.tokens + reply, len(reply)
+        self.tokens, self._reply, self._prompt = turn.prompt.tokens + reply, len(reply), turn.prompt
         if reply:
-            self.messages += [turn.message, {"role": "assistant", "content": self.replies.record(reply)}]
+            self.messages += [turn.message, self._record(reply)]
 
     def keep(self, n: int) -> None:
         """Keep only the first `n` tokens of the last reply (a client that read no further); a
@@ -146,13 +154,19 @@ class History:
             cut = len(self.tokens) - self._reply + n
             reply, self.tokens, self._reply = self.tokens[cut - n: cut], self.tokens[:cut], n
             if reply:
-                self.messages[-1] = {"role": "assistant", "content": self.replies.record(reply)}
+                self.messages[-1] = self._record(reply)
             else:
                 del self.messages[-2:]
 
+    def _record(self, reply: list[int]) -> dict:
+        """The last reply as an assistant message, its ids kept under its content."""
+        message = chat_format.reply_message(self.loaded.tokenizer, self.replies.ids(reply), self._prompt)
+        self.replies.record(reply, message)
+        return message
+
     def _render(self, messages: list[dict]) -> Prompt:
         return chat_format.render(self.loaded.tokenizer, messages, enable_thinking=self.enable_thinking,
-                                  as_generated=True, replies=self.replies)
+                                  as_generated=True, keep_thinking=self.keep_thinking, replies=self.replies)
 
     def _fit(self, prompt: Prompt) -> None:
         limit = self.loaded.target.config.max_position_embeddings

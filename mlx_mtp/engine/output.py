@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..decode.batch import RowEvent
+from ..formats import chat as chat_format
 from ..formats.chat import Delta, OutputParser, Reply
 from .requests import DoneEvent, TokenEvent, TokenLogprob
 from ..decode.stats import Stats
@@ -24,7 +25,8 @@ class Output:
 
     Args:
         loaded: the model (its tokenizer and stop tokens).
-        parser: the chat reply's parser; None: a raw prompt, all content.
+        parser: the chat reply's parser; None: a raw prompt, all content (its control tokens as
+            the model wrote them; a chat reply's are no text but for those the parser reads).
         stop: the request's stop strings.
         parallel_tool_calls: False keeps only the reply's first tool call.
         spell: a token's (text, bytes), for log-probabilities.
@@ -32,7 +34,8 @@ class Output:
 
     def __init__(self, loaded, parser: Optional[OutputParser], stop: Sequence[str] = (),
                  parallel_tool_calls: bool = True, spell: Callable[[int], tuple] = lambda t: ("", b"")):
-        self.detok = Detokenizer(loaded)
+        hidden = chat_format.hidden_ids(loaded.tokenizer) if parser is not None else frozenset()
+        self.detok = Detokenizer(loaded, hidden)
         self.parser = parser
         self.matcher = StopMatcher(stop)
         self.parallel = parallel_tool_calls

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Optional
 
 from ..formats import chat as chat_format, vision
-from ..decode.batch import check_fits
+from ..decode.batch import BAN, check_fits
 from ..formats.chat import Prompt
 from ..decode.grammar import Grammar, vocabulary
 from .history import Replies, Turn
@@ -23,7 +23,6 @@ from .output import Output
 from .requests import Prepared, Request
 from ..decode.text import encode, token_piece
 
-BAN = -1e9  # the logit bias that bans a token
 REPLIES_KEPT = 1024  # recent replies whose ids a history sent as messages can render with
 
 
@@ -85,8 +84,9 @@ class Preparer:
         chat = chat_format.render(self.loaded.tokenizer, request.messages, request.tools,
                                   enable_thinking=request.enable_thinking,
                                   continue_final_message=request.continue_final_message,
-                                  template_kwargs=request.chat_template_kwargs, as_generated=True,
-                                  replies=self.replies)
+                                  template_kwargs=request.chat_template_kwargs,
+                                  as_generated=request.history == "generated", keep_thinking=request.keep_thinking,
+                                  replies=self.replies, content_as_text=not request.parse_control_tokens)
         return chat.tokens, chat_format.turn_ends(chat.tokens, self.loaded.eos_ids), chat
 
     def output(self, request: Request, chat: Optional[Prompt]) -> Output:

@@ -14,7 +14,7 @@ import threading
 from typing import ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 from ..decode.batch import ContextLengthError
-from ..formats.chat import Prompt
+from ..formats.chat import HISTORIES, Prompt
 from ..decode.grammar import Grammar
 from ..decode.processors import MAX_LOGPROBS, NONE, Penalties
 from ..decode.sample import SamplingParams
@@ -50,7 +50,12 @@ class Request:
     string on is ever streamed, and generation stops there. `parallel_tool_calls=False` keeps the
     first tool call of a reply and drops any later one. `allow_tool_calls=False` keeps the `tools`
     declared but bans the token that opens a call.
-    Earlier replies in `messages` render as the model generated them (`chat_format.render_generated`).
+    `history`: "generated" (the default) renders earlier replies in `messages` as the model
+    generated them (`chat_format.render_generated`), each one's reasoning left out once a user or
+    system message follows it (`keep_thinking=True` keeps it); "template" gives exactly the chat
+    template's rendering (`apply_chat_template`'s tokens). Every string of the request is text:
+    a control token spelled in it is never one (`parse_control_tokens=True` parses them, as
+    `apply_chat_template` does); a raw `prompt` is read as written, control tokens and all.
     `penalties` (presence, frequency, repetition, logit bias) and `grammar` (what the reply must
     match: a JSON schema, a regex, a grammar, tool calls; after the reasoning, when thinking is on)
     process the logits, exactly under speculative decoding; `logprobs` (0..20 alternatives)
@@ -78,18 +83,29 @@ class Request:
     fit_max_tokens: bool = False
     stop: Sequence[str] = ()
     parallel_tool_calls: bool = True
+    history: str = "generated"
+    keep_thinking: bool = False
+    parse_control_tokens: bool = False
     learn: bool = True  # an Engine that keeps served requests (learn_dir) keeps this one's ids
 
     def check(self) -> None:
         if self.conversation is not None:
             if not isinstance(self.prompt, str) or self.messages is not None:
                 raise ValueError("a conversation request takes the user's message as a str `prompt`")
+            if self.keep_thinking:
+                raise ValueError("a conversation keeps earlier thinking or not as it was opened "
+                                 "(`conversations.new(keep_thinking=True)`)")
         elif (self.prompt is None) == (self.messages is None):
             raise ValueError("a one-shot request takes exactly one of `prompt` and `messages`")
-        chat = (self.tools, self.enable_thinking, self.chat_template_kwargs, self.continue_final_message)
+        chat = (self.tools, self.enable_thinking, self.chat_template_kwargs, self.continue_final_message,
+                self.history != "generated", self.parse_control_tokens)
         if self.messages is None and any(chat):
-            raise ValueError("`tools`, `enable_thinking`, `chat_template_kwargs` and "
-                             "`continue_final_message` go with `messages`")
+            raise ValueError("`tools`, `enable_thinking`, `chat_template_kwargs`, `continue_final_message`, "
+                             "`history` and `parse_control_tokens` go with `messages`")
+        if self.history not in HISTORIES:
+            raise ValueError(f"history must be one of {', '.join(map(repr, HISTORIES))}, got {self.history!r}")
+        if self.keep_thinking and self.history != "generated":
+            raise ValueError('keep_thinking goes with history="generated" (the template decides what it keeps)')
         n = self.max_tokens
         if isinstance(n, bool) or int(n) != n or n < 1:
             raise ValueError(f"max_tokens must be a positive int, got {n!r}")

@@ -353,7 +353,7 @@ class Worker:
         if run.history is not None:
             self._conversations.end(run.history, run.turn, run.output.tokens)
         elif run.handle.request.messages is not None and run.output.tokens:
-            self._preparer.replies.record(run.output.tokens)  # a history sent back with it renders as generated
+            self._preparer.replies.record(run.output.tokens, run.output.reply.message())  # sent back: as generated
         if self.learner is not None and run.handle.request.learn and run.output.tokens:
             self.learner.finished(run.prompt, run.output.tokens, getattr(event, "stats", None))
         run.handle._finish(event)

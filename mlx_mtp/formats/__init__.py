@@ -1,3 +1,5 @@
 """What Gemma 4 reads and writes besides token ids: chats rendered with the model's template
-and its output parsed (chat.py), images made into patches (images.py), and images in
-requests with the vision encoder that makes them soft tokens (vision.py)."""
+and its output parsed (chat.py; request text kept apart from the template's markup, markup.py;
+the tool-call syntax, toolcall.py), images made into patches (images.py), images in requests with
+the vision encoder that makes them soft tokens (vision.py), and audio decoded into log-mel
+features or the 12B's frames (audio.py)."""

@@ -29,17 +29,24 @@ import json
 import re
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-TOOL_CALL, TOOL_CALL_END = "<|tool_call>", "<tool_call|>"
+from .markup import END, START, Markup, markup as markup_of
+from .toolcall import QUOTE, TOOL_CALL, TOOL_CALL_END, call_text, format_argument, parse_call
+
 TOOL_RESPONSE, TOOL_RESPONSE_END = "<|tool_response>", "<tool_response|>"
 CHANNEL, CHANNEL_END = "<|channel>", "<channel|>"
-QUOTE = '<|"|>'  # Gemma 4's string delimiter inside tool calls and declarations
 THOUGHT = "thought\n"  # the label of the reasoning channel
 # Control tags that mean nothing where they stray into text: dropped.
 STRAY = (CHANNEL_END, "<|tool>", "<tool|>", "<|think|>", "<|turn>", "<turn|>")
 TOOL_STRAY = (TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END)
 CALL_ENDS = (TOOL_CALL_END, TOOL_CALL, TOOL_RESPONSE, TOOL_RESPONSE_END)  # what ends a call's body
 STOP_TOKENS = ("<turn|>", TOOL_RESPONSE)  # end a reply: the turn, or a turn that waits for tool results
-MAX_DEPTH = 64  # nesting allowed in a tool call's arguments
+# Gemma 4's markup: control tokens wherever a vocabulary has them (`markup.Markup`); the output's
+# parser reads the first ones (`PARSED`), every other control token is no text in a reply.
+MEDIA = ("<|image>", "<|image|>", "<image|>", "<|audio>", "<|audio|>", "<audio|>", "<|video|>")
+PARSED = (CHANNEL, CHANNEL_END, QUOTE, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESPONSE_END,
+          "<|tool>", "<tool|>", "<|think|>", "<|turn>", "<turn|>")
+PROTOCOL = PARSED + MEDIA
+HISTORIES = ("generated", "template")  # how earlier replies render: see `render`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,31 +128,69 @@ class Prompt(NamedTuple):
 
 def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
            enable_thinking: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-           template_kwargs: Optional[Mapping] = None, as_generated: bool = False,
-           replies: Optional[Mapping[str, Sequence[int]]] = None) -> Prompt:
+           template_kwargs: Optional[Mapping] = None, as_generated: bool = False, keep_thinking: bool = False,
+           replies: Optional[Mapping[str, Sequence[int]]] = None, content_as_text: bool = True) -> Prompt:
     """Render `messages` (and `tools`) with the tokenizer's chat template, as transformers'
     `apply_chat_template` does, and tokenize the text (the template writes `<bos>` itself).
 
     `continue_final_message`: the last (assistant) message is left open for the model to go on.
     `as_generated`: earlier replies render as the model generated them (`render_generated`, or
-    `render_spliced` with the token ids in `replies`, reply text -> ids, where they are known).
+    `render_spliced` with the token ids in `replies`, reply text -> ids, where they are known),
+    a reply's reasoning left out once its model turn is over and a user or system message came, as
+    Gemma 4's model card asks (within a tool-call loop it stays), unless `keep_thinking`. Otherwise
+    the prompt is the template's own rendering, token for token.
+    `content_as_text`: every string of the request (content, tool calls and results, tools,
+    template variables) is tokenized as text, so only the template's markup makes control tokens
+    (`markup`); False parses control strings in them too, as `apply_chat_template` does.
 
     Raises:
         ValueError: malformed messages or tools, or the template refused them.
     """
+    mk = tokenizer_markup(tokenizer) if content_as_text else None
+    if mk is not None:
+        check_messages(messages)  # (as the caller wrote them: the errors name their fields)
+        messages, tools = mk.mark(list(messages)), mk.mark(tools)
+        template_kwargs = mk.mark(dict(template_kwargs)) if template_kwargs else template_kwargs
     options = dict(enable_thinking=enable_thinking, continue_final_message=continue_final_message,
                    template_kwargs=template_kwargs)
-    text = render_generated(tokenizer, messages, tools, **options) if as_generated and add_generation_prompt \
-        else None
-    if text is None and as_generated and add_generation_prompt:
-        spliced = render_spliced(tokenizer, messages, tools, replies or {}, **options)
-        if spliced is not None:
-            return spliced
+    text = None
+    if as_generated and add_generation_prompt:
+        text = render_generated(tokenizer, messages, tools, keep_thinking=keep_thinking, **options)
+        if text is None:
+            spliced = render_spliced(tokenizer, messages, tools, replies or {}, markup=mk, **options)
+            if spliced is not None:
+                return spliced
     if text is None:
         text = render_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt
                            and not continue_final_message, **options)
-    tokens = list(tokenizer.encode(text, add_special_tokens=False))
-    return Prompt(text, tokens, _open_channel(text), enable_thinking)  # a channel the prompt left open
+    return _prompt(tokenizer, mk, text, enable_thinking)
+
+
+def tokenizer_markup(tokenizer) -> Markup:
+    """The tokenizer's template markup apart from request text (Gemma 4's tags among its controls)."""
+    return markup_of(tokenizer, PROTOCOL)
+
+
+def hidden_ids(tokenizer) -> frozenset:
+    """Control tokens that are no text in a reply: all but the tags the output's parser reads."""
+    mk = tokenizer_markup(tokenizer)
+    return frozenset(i for t, i in mk.controls.items() if t not in PARSED)
+
+
+def reply_message(tokenizer, ids: Sequence[int], prompt: "Prompt", tools: bool = True) -> dict:
+    """The assistant message a reply's ids (without the stop token) stand for: its content,
+    reasoning and tool calls as the output's parser reads them (`Reply.message`)."""
+    hidden = hidden_ids(tokenizer)
+    return parse(tokenizer.decode([t for t in ids if t not in hidden]), tools, prompt.open).message()
+
+
+def _prompt(tokenizer, mk: Optional[Markup], text: str, thinking: bool, tokens: Optional[list] = None) -> Prompt:
+    """A rendered text (its request strings marked where `mk` is given) as a `Prompt`."""
+    if mk is None:
+        tokens = list(tokenizer.encode(text, add_special_tokens=False)) if tokens is None else tokens
+        return Prompt(text, tokens, _open_channel(text), thinking)
+    tokens = mk.tokens(text) if tokens is None else tokens
+    return Prompt(mk.unmark(text), tokens, _open_channel(mk.markup_only(text)), thinking)  # the template's channel
 
 
 def render_text(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
@@ -164,7 +209,8 @@ def render_text(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence
         raise ValueError("the messages or tools are nested too deeply for the chat template") from None
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         # raise_exception() in the template, or a message shape it cannot handle
-        raise ValueError(f"the chat template cannot render these messages: {e}") from None
+        message = str(e).replace(START, "").replace(END, "")  # (request strings come back marked)
+        raise ValueError(f"the chat template cannot render these messages: {message}") from None
 
 
 def turn_ends(tokens: Sequence[int], end_ids: Iterable[int]) -> list[int]:
@@ -242,10 +288,11 @@ TURN, TURN_END = "<|turn>", "<turn|>"
 
 def render_generated(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]] = None, *,
                      enable_thinking: bool = False, continue_final_message: bool = False,
-                     template_kwargs: Optional[Mapping] = None) -> Optional[str]:
+                     template_kwargs: Optional[Mapping] = None, keep_thinking: bool = False) -> Optional[str]:
     """The prompt text of `messages` with earlier replies as the model generated them (see
     above), ending with the generation prompt; None where the template's own rendering stands
-    (not Gemma 4's template, no reply in the history, or a history that starts with one)."""
+    (not Gemma 4's template, no reply in the history, or a history that starts with one). A
+    reply's reasoning is left out once its model turn is over (`_turns_ended`), unless `keep_thinking`."""
     first = next((i for i, m in enumerate(messages) if isinstance(m, Mapping)
                   and m.get("role") in ("assistant", "tool")), None)
     template = getattr(tokenizer, "chat_template", None)
@@ -256,7 +303,7 @@ def render_generated(tokenizer, messages: Sequence[Mapping], tools: Optional[Seq
     options = dict(enable_thinking=enable_thinking, template_kwargs=template_kwargs)
     head = render_text(tokenizer, messages[:first], tools, add_generation_prompt=False, **options)
     openers = _openers(tokenizer, **options)
-    return head + _turns(messages[first:], openers, continue_final_message)
+    return head + _turns(messages[first:], openers, continue_final_message, keep_thinking)
 
 
 # Any other template: it renders each reply with a mark in its place (digits between control
@@ -269,10 +316,12 @@ _MARKS = re.compile("\x00\x01(\\d+)\x01\x00")
 
 def render_spliced(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapping]],
                    replies: Mapping[str, Sequence[int]], *, enable_thinking: bool = False,
-                   continue_final_message: bool = False, template_kwargs: Optional[Mapping] = None) -> Optional[Prompt]:
+                   continue_final_message: bool = False, template_kwargs: Optional[Mapping] = None,
+                   markup: Optional[Markup] = None) -> Optional[Prompt]:
     """`messages` rendered by the template with each text reply as generated: its ids from
-    `replies` (reply text -> ids, without the stop token), else its text tokenized untrimmed.
-    None where there is no such reply, or the template does not render each in its place."""
+    `replies` (reply text -> ids, without the stop token), else its text tokenized untrimmed
+    (as text, where `markup` marked the request's strings). None where there is no such reply,
+    or the template does not render each in its place."""
     check_messages(messages)
     spots = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and isinstance(m.get("content"), str)
              and not m.get("tool_calls")]
@@ -285,14 +334,19 @@ def render_spliced(tokenizer, messages: Sequence[Mapping], tools: Optional[Seque
     parts = _MARKS.split(rendered)  # template text, reply index, template text, ...
     if [int(i) for i in parts[1::2]] != spots:
         return None
+    mk = markup
     texts, tokens = [], []
     for k, part in enumerate(parts):
-        text = messages[int(part)]["content"] if k % 2 else part
-        ids = replies.get(text) if k % 2 else None
+        if k % 2:  # a reply: its ids as generated, else its text
+            text = messages[int(part)]["content"]
+            ids = replies.get(mk.unmark(text) if mk else text)
+            if ids is None:
+                ids = mk.tokens(text) if mk else tokenizer.encode(text, add_special_tokens=False)
+        else:
+            text, ids = part, mk.tokens(part) if mk else tokenizer.encode(part, add_special_tokens=False)
         texts.append(text)
-        tokens += list(ids) if ids is not None else list(tokenizer.encode(text, add_special_tokens=False))
-    text = "".join(texts)
-    return Prompt(text, tokens, _open_channel(text), enable_thinking)
+        tokens += list(ids)
+    return _prompt(tokenizer, mk, "".join(texts), enable_thinking, tokens)
 
 
 def _openers(tokenizer, **options) -> tuple[str, str]:
@@ -311,15 +365,17 @@ def _openers(tokenizer, **options) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _turns(messages: Sequence[Mapping], openers: tuple[str, str], continue_final: bool) -> str:
+def _turns(messages: Sequence[Mapping], openers: tuple[str, str], continue_final: bool,
+           keep_thinking: bool = False) -> str:
     after_user, after_tool = openers
     out, in_turn, names = [], False, {}  # in_turn: a model turn is open (it made calls)
+    ended = _turns_ended(messages)
     for i, m in enumerate(messages):
         role = m["role"]
         if role == "assistant":
             opener = after_tool if in_turn else after_user
             calls = m.get("tool_calls") or []
-            out.append(_reply(m, opener))
+            out.append(_reply(m, opener, thought=keep_thinking or not ended[i]))
             if continue_final and i == len(messages) - 1:
                 return "".join(out)  # left open for the model to go on
             names = {c.get("id"): c["function"]["name"] for c in calls}
@@ -336,12 +392,32 @@ def _turns(messages: Sequence[Mapping], openers: tuple[str, str], continue_final
     return "".join(out) + (after_tool if in_turn else after_user)
 
 
-def _reply(message: Mapping, opener: str) -> str:
+def _turns_ended(messages: Sequence[Mapping]) -> list[bool]:
+    """For each message, whether it is a reply of a model turn that is over: the turn ended with
+    a reply that calls no tool, and a user or system message came after it. Its reasoning goes;
+    within a tool-call loop (reminders beside tool results included) it stays."""
+    ended, over, user_after = [False] * len(messages), False, False
+    for i in reversed(range(len(messages))):
+        role = messages[i]["role"]
+        if role == "assistant":
+            if not messages[i].get("tool_calls"):  # the reply that ends its turn
+                over = user_after
+            ended[i] = over
+        elif role != "tool":
+            user_after = True
+    return ended
+
+
+def _reply(message: Mapping, opener: str, thought: bool = True) -> str:
     """A reply as generated after `opener` (the generation prompt it followed): reasoning, answer
-    text, then its calls."""
+    text, then its calls. Without its `thought`, a reply that reasoned renders as the template
+    renders it: no reasoning channel at all."""
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     empty = CHANNEL + THOUGHT + CHANNEL_END  # what a generation prompt with thinking off may close at once
-    if _open_channel(opener) is not None:  # the generation prompt opened the reasoning channel
+    if reasoning and not thought:
+        head, at = "", opener.find(CHANNEL)
+        opener = opener if at < 0 else opener[:at]
+    elif _open_channel(opener) is not None:  # the generation prompt opened the reasoning channel
         head = reasoning + CHANNEL_END
     elif reasoning:  # (thought with thinking on, where this prompt has it off: its thought, not an empty one)
         head = CHANNEL + THOUGHT + reasoning + CHANNEL_END
@@ -353,30 +429,12 @@ def _reply(message: Mapping, opener: str) -> str:
     return opener + head + _text(message.get("content")) + calls
 
 
-def call_text(name: str, arguments: Mapping) -> str:
-    """A tool call in Gemma 4's syntax, its arguments in their given order (the model's)."""
-    return f"{TOOL_CALL}call:{name}{_argument(dict(arguments))}{TOOL_CALL_END}"
-
-
-def _argument(value: Any) -> str:
-    """A value as the template's `format_argument` writes it (keys bare, in the given order)."""
-    if isinstance(value, str):
-        return QUOTE + value + QUOTE
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        return "{" + ",".join(f"{k}:{_argument(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_argument(v) for v in value) + "]"
-    return "null" if value is None else str(value)
-
-
 def _tool_response(name: str, content: Any) -> str:
     """The template's `format_tool_response_block`."""
     if isinstance(content, Mapping):
-        body = ",".join(f"{k}:{_argument(content[k])}" for k in sorted(content))
+        body = ",".join(f"{k}:{format_argument(content[k])}" for k in sorted(content))
     else:
-        body = "value:" + _argument(_text(content))
+        body = "value:" + format_argument(_text(content))
     return f"{TOOL_RESPONSE}response:{name}{{{body}}}{TOOL_RESPONSE_END}"
 
 
@@ -566,110 +624,3 @@ def merge(deltas: Iterable[Delta]) -> list[Delta]:
         else:
             out.append(d)
     return out
-
-
-# ---- the tool-call syntax ------------------------------------------------------------------------
-
-
-class _SyntaxError(ValueError):
-    pass
-
-
-def parse_call(body: str) -> Optional[tuple[str, dict, str]]:
-    """`call:NAME{...}` (the `call:` may be missing) -> (name, arguments, text after the
-    arguments), or None when it does not parse."""
-    text = body.strip()
-    text = text[len("call:"):] if text.startswith("call:") else text
-    brace = text.find("{")
-    name = text[:brace].strip() if brace > 0 else ""
-    if not name or any(c.isspace() or c in '{}[]:,"<>' for c in name):
-        return None
-    try:
-        arguments, end = _value(text, brace, 0)
-    except (_SyntaxError, IndexError):
-        return None
-    return (name, arguments, text[end:]) if isinstance(arguments, dict) else None
-
-
-def _value(s: str, i: int, depth: int) -> tuple[Any, int]:
-    """The value starting at s[i] (after blanks) and the index just past it."""
-    i = _skip(s, i)
-    if depth > MAX_DEPTH:
-        raise _SyntaxError("nested too deeply")
-    if s.startswith(QUOTE, i):
-        end = s.find(QUOTE, i + len(QUOTE))
-        if end < 0:
-            raise _SyntaxError("unterminated string")
-        return s[i + len(QUOTE): end], end + len(QUOTE)
-    if s[i] == '"':
-        try:
-            return json.JSONDecoder().raw_decode(s, i)
-        except ValueError:
-            raise _SyntaxError("bad JSON string") from None
-    if s[i] == "{":
-        return _items(s, i + 1, "}", depth, keyed=True)
-    if s[i] == "[":
-        return _items(s, i + 1, "]", depth, keyed=False)
-    end = i
-    while end < len(s) and s[end] not in ",}]":
-        end += 1
-    return _scalar(s[i:end].strip()), end
-
-
-def _items(s: str, i: int, close: str, depth: int, keyed: bool) -> tuple[Any, int]:
-    out: Any = {} if keyed else []
-    i = _skip(s, i)
-    if s[i] == close:
-        return out, i + 1
-    while True:
-        if keyed:
-            key, i = _key(s, i)
-            out[key], i = _value(s, i, depth + 1)
-        else:
-            value, i = _value(s, i, depth + 1)
-            out.append(value)
-        i = _skip(s, i)
-        if s[i] == close:
-            return out, i + 1
-        if s[i] != ",":
-            raise _SyntaxError(f"expected , or {close}")
-        i += 1
-
-
-def _key(s: str, i: int) -> tuple[str, int]:
-    """An object key (bare, or quoted either way) and the index just past its colon."""
-    i = _skip(s, i)
-    if s.startswith(QUOTE, i) or s[i] == '"':
-        key, i = _value(s, i, 0)
-        i = _skip(s, i)
-    else:
-        end = s.find(":", i)
-        key, i = s[i:end].strip(), end
-        if end < 0 or not key or any(c in key for c in "{}[],"):
-            raise _SyntaxError("bad key")
-    if s[i] != ":":
-        raise _SyntaxError("expected :")
-    return str(key), i + 1
-
-
-def _scalar(word: str) -> Any:
-    if not word:
-        raise _SyntaxError("missing value")
-    if word in ("true", "false"):
-        return word == "true"
-    if word in ("null", "None"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(word)
-        except ValueError:
-            pass
-    return word  # a bare word: the model's unquoted text
-
-
-def _skip(s: str, i: int) -> int:
-    while i < len(s) and s[i].isspace():
-        i += 1
-    if i >= len(s):
-        raise _SyntaxError("unexpected end")
-    return i

@@ -82,19 +82,34 @@ def open_image(source: ImageSource):
         return image.convert("RGB")
     except ImageError:
         raise
+    except Image.UnidentifiedImageError:  # its message names the stream object, no use to anyone
+        raise ImageError(f"{name} is not a readable image (not in a format Pillow reads: PNG, JPEG, GIF, "
+                         "WebP, ...)") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ImageError(f"{name} is not a readable image ({e})") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ImageError(f"{name} is not a readable image ({reason})") from None
 
 
 def decode_data_url(url: str) -> bytes:
-    """The bytes of a `data:<type>;base64,<data>` URL (ImageError for any other form)."""
+    """The bytes of a `data:image/<type>;base64,<data>` URL (ImageError for any other form)."""
     head, _, data = url.partition(",")
     if not head.startswith("data:") or not head.endswith(";base64") or not data:
         raise ImageError("an image data URL must be data:<media type>;base64,<data>")
+    if not is_image_type(media_type(url)):
+        raise ImageError(f"an image data URL's media type must be image/..., not {media_type(url) or 'none'}")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError("the image data URL is not valid base64") from None
+
+
+def media_type(url: str) -> str:
+    """The media type a `data:` URL declares ('' for none), lower-cased: `image/png`."""
+    return url.partition(",")[0].removeprefix("data:").split(";")[0].strip().lower()
+
+
+def is_image_type(media: str) -> bool:
+    return media.startswith("image/") and len(media) > len("image/")
 
 
 MAX_FETCH_BYTES = 32 << 20

@@ -8,7 +8,11 @@ _REGISTRY = {
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
     "gemma4_assistant": "gemma4_assistant",
+    "gemma4_unified": "gemma4_unified",
+    "gemma4_unified_text": "gemma4_unified",
+    "gemma4_unified_assistant": "gemma4_unified_assistant",
 }
+DRAFTER_TYPES = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})  # MTP drafters, not targets
 
 
 def model_module(model_type: str):

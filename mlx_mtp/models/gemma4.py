@@ -63,6 +63,7 @@ class Config(BaseConfig):
     tie_word_embeddings: bool = True
     per_layer_config: Optional[dict] = None
     sliding_window_pattern: Optional[int] = None
+    suppress_tokens: tuple = ()  # never generated (generation_config.json's, which the loader reads)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "Config":

@@ -33,6 +33,7 @@ class Config(BaseConfig):
         "audio_token_id", "boa_token_id", "boi_token_id", "eoa_token_id", "eoi_token_id",
         "image_token_id", "eoa_token_index", "video_token_id",
     }
+    _TEXT = gemma4.Config  # the text config's class (the 12B's drafter: `gemma4_unified_text`)
 
     def __post_init__(self):
         text = dict(self.text_config or {})
@@ -40,7 +41,7 @@ class Config(BaseConfig):
         text["num_kv_shared_layers"] = n  # every drafter layer reads the target's K/V
         text.setdefault("hidden_size_per_layer_input", 0)
         text.setdefault("vocab_size_per_layer_input", 0)
-        self.text = gemma4.Config.from_dict(text)
+        self.text = self._TEXT.from_dict(text)
         t = self.text
         if t.hidden_size_per_layer_input or t.enable_moe_block or t.use_double_wide_mlp:
             raise ConfigError("gemma4_assistant text_config must have no PLE, MoE or double-wide MLP")

@@ -25,8 +25,8 @@ from ..formats.chat import Delta
 from ..decode.grammar import Grammar
 from ..engine.requests import ContextLengthError, Request
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
-                     forced_calls, integer, invalid, json_grammar, mapping, sampling, strings, structured, typed,
-                     unsupported)
+                     forced_calls, history, integer, invalid, json_grammar, mapping, sampling, strings, structured,
+                     typed, unsupported)
 from .fields import (ANTHROPIC_BLOCK, ANTHROPIC_COUNT, ANTHROPIC_EXTENSIONS, ANTHROPIC_MESSAGE, ANTHROPIC_MESSAGES,
                      ANTHROPIC_METADATA, ANTHROPIC_OUTPUT_CONFIG, ANTHROPIC_THINKING, ANTHROPIC_TOOL,
                      ANTHROPIC_TOOL_CHOICE, first_extra)
@@ -36,6 +36,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 529: "overloaded_error"}
 BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE | re.IGNORECASE)
 BLOCK_TYPES = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # the image blocks Anthropic takes
 
 
 def error_body(error: APIError) -> dict:
@@ -61,12 +62,12 @@ def parse_messages(body: Any, model: ServedModel, count: bool = False) -> Job:
     last = messages[-1]
     request = Request(
         messages=messages, tools=tools, allow_tool_calls=mapping(body, "tool_choice").get("type") != "none",
-        enable_thinking=_thinking(body, model.thinking),
+        enable_thinking=_thinking(body),
         continue_final_message=last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"]),
         max_tokens=max_tokens or model.context, fit_max_tokens=not count, sampling=sampling(body, temperature_high=1.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True),
         grammar=structured(body, _output_format(body), forced), stop=strings(body, "stop_sequences"),
-        parallel_tool_calls=parallel,
+        parallel_tool_calls=parallel, **history(body, model),
     )
     return Job(request, flag(body, "stream", False), model.id, f"msg_{uuid.uuid4().hex[:24]}")
 
@@ -175,7 +176,7 @@ def _user(blocks: list, i: int, names: dict, asked: set) -> list:
             results.append({"role": "tool", "tool_call_id": call_id, "content": content,
                             **({"name": name} if name else {})})
         elif kind == "image":
-            text.append(_image(block, f"{where}.content[{j}]"))
+            text.append(_image(block, i, j))
         else:
             text.append(_block_text(block, f"{where}.content[{j}]"))
     if any(isinstance(t, dict) for t in text):  # images: the content as parts (`mlx_mtp.formats.vision`)
@@ -184,11 +185,16 @@ def _user(blocks: list, i: int, names: dict, asked: set) -> list:
     return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])
 
 
-def _image(block: dict, where: str) -> dict:
-    """An `image` block as an image part: base64 data (or a URL, where the server fetches them)."""
-    source = block.get("source")
+def _image(block: dict, i: int, j: int) -> dict:
+    """An `image` block as an image part: base64 data of a type Anthropic takes (or a URL, where
+    the server fetches them)."""
+    where, source = f"messages[{i}].content[{j}]", block.get("source")
     if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
         media = source.get("media_type") or "image/png"
+        if media not in IMAGE_TYPES:  # Anthropic's (pydantic's) words
+            at = f"messages.{i}.content.{j}.image.source.base64.media_type"
+            raise invalid(at, f"{at}: Input should be {', '.join(map(repr, IMAGE_TYPES[:-1]))} or "
+                              f"{IMAGE_TYPES[-1]!r}", code=None)
         return {"type": "image", "image": f"data:{media};base64,{source['data']}"}
     if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
         return {"type": "image", "url": source["url"]}
@@ -275,11 +281,13 @@ def _output_format(body: dict) -> Optional[Grammar]:
     return json_grammar(fmt.get("schema"), "output_config.format.schema")
 
 
-def _thinking(body: dict, default: bool) -> bool:
+def _thinking(body: dict) -> bool:
+    """Whether the request asks for thinking: as with Anthropic, not unless it says so (the server's
+    --enable-thinking is OpenAI requests' default, not this API's)."""
     thinking = mapping(body, "thinking")
     kind = thinking.get("type")
     if kind is None:
-        return default
+        return False
     if kind not in ("enabled", "disabled", "adaptive"):
         raise invalid("thinking", '`thinking.type` must be "enabled", "adaptive" or "disabled"')
     if kind == "enabled":
@@ -320,8 +328,15 @@ def context_error(error: ContextLengthError, job: Job) -> APIError:
 
 
 def answer(job: Job, parts: list, outcome: Outcome) -> dict:
+    parts = [part for part in parts if _shown(job, part)]
     content = [_block(part, whole=True) for part in chat_format.merge(parts)] or [{"type": "text", "text": ""}]
     return {**_message(job), "content": content, **_stop(outcome), "usage": _usage(outcome)}
+
+
+def _shown(job: Job, part: Delta) -> bool:
+    """No thinking block unless the request asked for thinking: a model may open a reasoning
+    channel on its own (the output's parser reads one wherever it comes), and that stays hidden."""
+    return part.kind != "reasoning" or job.request.enable_thinking
 
 
 def _message(job: Job) -> dict:
@@ -369,6 +384,8 @@ async def stream(job: Job, parts: AsyncIterator[Delta], outcome: Outcome) -> Asy
         async for part in parts:
             if part.kind == "keepalive":
                 yield _event("ping")
+                continue
+            if not _shown(job, part):
                 continue
             if part.kind != open_kind or part.kind == "tool_call":
                 if open_kind is not None:

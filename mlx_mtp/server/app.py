@@ -88,10 +88,12 @@ def create_app(engine, settings: Settings) -> Starlette:
     return app
 
 
-def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = False) -> ServedModel:
+def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = False, history: str = "generated",
+                 keep_thinking: bool = False, parse_control_tokens: bool = False) -> ServedModel:
+    """What the parsers know of `loaded`, with the server's defaults for requests that do not say."""
     config = loaded.target.config
     return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens, thinking,
-                       chat_format.has_tool_calls(loaded.tokenizer))
+                       chat_format.has_tool_calls(loaded.tokenizer), history, keep_thinking, parse_control_tokens)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------

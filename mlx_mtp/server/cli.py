@@ -13,6 +13,7 @@ DEMO_ID = "mlx-mtp-demo"
 def parser() -> argparse.ArgumentParser:
     """The command line; every option says what it does and its default."""
     from ..cli import draft_tokens, positive_int
+    from ..formats.chat import HISTORIES
     from .app import KEEPALIVE_EVERY, MAX_BODY_BYTES
 
     ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
@@ -38,8 +39,19 @@ def parser() -> argparse.ArgumentParser:
                     help="draft length for requests that do not send `draft_tokens`: 0-6, or auto, chosen by "
                          "measured cost and acceptance (default: auto)")
     ap.add_argument("--enable-thinking", action="store_true",
-                    help="let the model reason before answering, for requests that do not say "
-                         "(`chat_template_kwargs.enable_thinking`, Anthropic's `thinking`; default: off)")
+                    help="let the model reason before answering, for OpenAI requests that do not say "
+                         "(`chat_template_kwargs.enable_thinking`; Anthropic's requests say with `thinking`, "
+                         "and are off without it; default: off)")
+    ap.add_argument("--history", choices=HISTORIES, default="generated",
+                    help="how earlier replies render, for requests that do not say (`history`): as the model "
+                         "generated them (prefix-cache friendly), or exactly as the chat template renders them "
+                         "(apply_chat_template's tokens; default: generated)")
+    ap.add_argument("--keep-thinking", action="store_true",
+                    help="keep earlier replies' reasoning in later prompts, for requests that do not say "
+                         "(`keep_thinking`; default: left out once the model's turn ended and a user message came)")
+    ap.add_argument("--parse-control-tokens", action="store_true",
+                    help="parse control tokens spelled in messages, as apply_chat_template does by default "
+                         "(default: off: any text in a message is text, and only the template makes control tokens)")
     ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                     help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
     ap.add_argument("--keepalive-seconds", type=float, default=KEEPALIVE_EVERY, metavar="S",
@@ -166,7 +178,8 @@ def serve(loaded, model_id: str, args) -> int:
     from ..engine.engine import Engine
     from .app import Settings, create_app, served_model
 
-    model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking)
+    model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking, args.history, args.keep_thinking,
+                         args.parse_control_tokens)
     settings = Settings(model, args.api_key, args.max_body_bytes, args.keepalive_seconds)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.

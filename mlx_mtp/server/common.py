@@ -5,9 +5,10 @@ ended. Plain Python, no MLX and no HTTP: the engine's types come from `requests`
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
-from ..formats.chat import Delta
+from ..formats.chat import HISTORIES, Delta
 from ..decode.grammar import Grammar
 from ..engine.requests import Request
 from ..decode.sample import SamplingParams
@@ -60,6 +61,9 @@ class ServedModel:
     draft_tokens: object = "auto"  # the server's default for requests that do not say
     thinking: bool = False  # the server's default for `enable_thinking`
     tool_calls: bool = True  # the chat template can say tool calls
+    history: str = "generated"  # the server's default for a request's `history`
+    keep_thinking: bool = False  # ... and for `keep_thinking`
+    parse_control_tokens: bool = False  # control tokens spelled in messages are parsed (--parse-control-tokens)
 
 
 def check_model(name: Any, model: ServedModel) -> None:
@@ -173,6 +177,18 @@ def draft_tokens(body: dict, default):
     if value == "auto" or (type(value) is int and 0 <= value <= K_MAX):
         return value
     raise invalid("draft_tokens", f"`draft_tokens` must be \"auto\" or an integer in [0, {K_MAX}]")
+
+
+def history(body: dict, model: ServedModel) -> dict:
+    """A chat request's history options (`Request.history`, `keep_thinking`, `parse_control_tokens`):
+    the extensions `history` ("generated" or "template") and `keep_thinking`, else the server's."""
+    mode = body.get("history", model.history)
+    if mode not in HISTORIES:
+        raise invalid("history", f"`history` must be one of {', '.join(map(json.dumps, HISTORIES))}")
+    keep = flag(body, "keep_thinking", model.keep_thinking and mode == "generated")
+    if keep and mode != "generated":
+        raise invalid("keep_thinking", '`keep_thinking` goes with `history: "generated"` (the template decides)')
+    return dict(history=mode, keep_thinking=keep, parse_control_tokens=model.parse_control_tokens)
 
 
 def strings(body: dict, name: str) -> tuple:

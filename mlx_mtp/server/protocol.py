@@ -19,15 +19,17 @@ from typing import Any, AsyncIterator, Optional
 
 from ..formats import chat as chat_format
 from ..formats.chat import Delta, Reply, ToolCall
+from ..formats.images import is_image_type, media_type
 from ..decode.grammar import Grammar
 from ..decode.processors import MAX_LOGPROBS, Penalties
 from ..engine.requests import ContextLengthError, Request, TokenLogprob
 from ..decode.stats import Stats
 from .common import (APIError, Job, Outcome, ServedModel, check_model, checked, draft_tokens, flag,
-                     forced_calls, integer, invalid, json_grammar, mapping, number, sampling, strings,
+                     forced_calls, history, integer, invalid, json_grammar, mapping, number, sampling, strings,
                      structured, typed, unsupported)
-from .fields import (OPENAI_CALL, OPENAI_CHAT, OPENAI_COMPLETION, OPENAI_EXTENSIONS, OPENAI_FUNCTION, OPENAI_MESSAGE,
-                     OPENAI_PART, OPENAI_TOOL, OPENAI_TOOL_FUNCTION, extra, first_extra)
+from .fields import (HISTORY_EXTENSIONS, OPENAI_CALL, OPENAI_CHAT, OPENAI_COMPLETION, OPENAI_EXTENSIONS,
+                     OPENAI_FUNCTION, OPENAI_MESSAGE, OPENAI_PART, OPENAI_TOOL, OPENAI_TOOL_FUNCTION, extra,
+                     first_extra)
 
 __all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "parse_chat", "parse_completion",
            "response", "stream"]
@@ -60,7 +62,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
     """POST /v1/chat/completions: `messages` (and `tools`) are rendered with the model's chat
     template by the engine."""
     body = _object(body)
-    _known(body, OPENAI_CHAT | OPENAI_EXTENSIONS | {"chat_template_kwargs"})
+    _known(body, OPENAI_CHAT | OPENAI_EXTENSIONS | HISTORY_EXTENSIONS | {"chat_template_kwargs"})
     options = mapping(body, "chat_template_kwargs")
     thinking = options.pop("enable_thinking", model.thinking)
     if not isinstance(thinking, bool):
@@ -68,7 +70,7 @@ def parse_chat(body: Any, model: ServedModel) -> OpenAIJob:
     tools, forced = _tools(body, model)
     return _job(body, "chat.completion", model, forced, messages=_messages(body.get("messages")), tools=tools,
                 allow_tool_calls=body.get("tool_choice") != "none", enable_thinking=thinking,
-                chat_template_kwargs=options or None)
+                chat_template_kwargs=options or None, **history(body, model))
 
 
 def parse_completion(body: Any, model: ServedModel) -> OpenAIJob:
@@ -85,9 +87,7 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
         if not _is_default(name, body.get(name)):
             raise unsupported(name, f"`{name}` is not supported by this server"
                               + (" (one choice per request)" if name in ("n", "best_of") else ""))
-    max_tokens = integer(body, "max_completion_tokens", low=1)
-    if max_tokens is None:
-        max_tokens = integer(body, "max_tokens", low=1)
+    max_tokens = _max_tokens(body, model)
     stream = flag(body, "stream", False)
     options = mapping(body, "stream_options")
     for name, of in (("user", str), ("metadata", dict), ("store", bool), ("service_tier", str),
@@ -97,7 +97,7 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
     if body.get("modalities") not in (None, ["text"]):
         raise unsupported("modalities", "this server answers with text only (`modalities: [\"text\"]`)")
     request = Request(
-        **prompt, max_tokens=min(max_tokens or model.context, model.context), sampling=sampling(body, 2.0),
+        **prompt, max_tokens=max_tokens or model.context, sampling=sampling(body, 2.0),
         draft_tokens=draft_tokens(body, model.draft_tokens), mtp=flag(body, "mtp", True), seed=_seed(body),
         penalties=_penalties(body, model.vocab_size), grammar=structured(body, _response_format(body), forced),
         logprobs=_logprobs(body, kind), stop=strings(body, "stop"),
@@ -107,6 +107,20 @@ def _job(body: dict, kind: str, model: ServedModel, forced: Optional[Grammar] = 
     include_usage = stream and flag(options, "include_usage", False)
     job_id = prefix + uuid.uuid4().hex[:24]
     return OpenAIJob(request, stream, model.id, job_id, kind, include_usage, int(time.time()))
+
+
+def _max_tokens(body: dict, model: ServedModel) -> Optional[int]:
+    """`max_completion_tokens` (or the older `max_tokens`; None: up to the context), refused in OpenAI's
+    words past the model's context, which no reply can outgrow. One within it that only passes the
+    context with the prompt is cut there (finish_reason "length")."""
+    found = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = integer(body, name, low=1)
+        if value is not None and value > model.context:
+            raise invalid(name, f"{name} is too large: {value}. This model supports at most {model.context} "
+                                f"completion tokens, whereas you provided {value}.")
+        found = value if value is not None else found
+    return found
 
 
 def _object(body: Any) -> dict:
@@ -230,8 +244,9 @@ def _messages(messages: Any) -> list:
             raise invalid(f"messages[{i}]", f"messages[{i}] needs a `role` among {', '.join(ROLES)}")
         role = ROLES[message["role"]]
         content = message.get("content")
-        m = {"role": role, "content": _image_content(content, i) if _has_images(content) and role in ("user", "system")
-             else _content(content, i, optional=role == "assistant")}
+        images = role in ("user", "system")
+        m = {"role": role, "content": _image_content(content, i) if images and _has_images(content)
+             else _content(content, i, optional=role == "assistant", images=images)}
         if role == "assistant":
             m.update(_history_calls(message, i, names))
             asked = {call["id"] for call in m.get("tool_calls", ())}
@@ -241,14 +256,16 @@ def _messages(messages: Any) -> list:
     return out
 
 
-def _content(content: Any, i: int, optional: bool = False) -> Optional[str]:
-    """A message's text: a string, or a list of text parts (images and audio are not supported)."""
+def _content(content: Any, i: int, optional: bool = False, images: bool = False) -> Optional[str]:
+    """A message's text: a string, or a list of text parts (`images`: a user or system message, whose
+    image_url parts `_image_content` takes; audio and files are not supported)."""
     if isinstance(content, str) or (content is None and optional):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+    parts = "text and image_url parts" if images else "text parts"
+    raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of {parts}")
 
 
 def _has_images(content: Any) -> bool:
@@ -272,6 +289,9 @@ def _image_content(content: list, i: int) -> list:
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str) or not url:
             raise invalid(where, f'{where} must be {{"type": "image_url", "image_url": {{"url": ...}}}}')
+        if url.startswith("data:") and not is_image_type(media_type(url)):  # OpenAI's words
+            raise APIError(400, "Invalid MIME type. Only image types are supported.",
+                           code="invalid_image_format")
         detail = p["image_url"].get("detail") if isinstance(p.get("image_url"), dict) else None
         parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
     return parts
