@@ -30,6 +30,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from mlx_mtp.formats.vision import encoder
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "tests" / "fixtures" / "vision" / "bidir"
 DRAFTER = ROOT / "tests" / "fixtures" / "tiny" / "dense" / "drafter"
@@ -100,9 +102,9 @@ def demo_ttft(repeats: int, path: Path = DEMO, size: tuple = (40, 30)) -> str:
                     first += [token.token] if kind == "image" else []
                 handle.result()
                 tokens[kind] = handle.prompt_tokens
-    table = loaded.vision.vision_config.position_embedding_size
+    table = encoder(loaded).vision_config.position_embedding_size
     name = DEMO.relative_to(ROOT) if path == DEMO else f"{DEMO.relative_to(ROOT)}, position table {table}"
-    return (f"demo ({name}, budget {loaded.vision.budget}): TTFT with one {size[0]}x{size[1]} image "
+    return (f"demo ({name}, budget {encoder(loaded).budget}): TTFT with one {size[0]}x{size[1]} image "
             f"({tokens['image'] - tokens['text']} image tokens, {tokens['image']} in all) "
             f"{_ms(times['image'])}; "
             f"the same request without it ({tokens['text']} prompt tokens) {_ms(times['text'])}; "
@@ -133,7 +135,7 @@ def peer_ttft(repeats: int, path: Path, size: tuple) -> str:
             first.append(result.token)
     image = picture(*size, seed=1)
     theirs = model.encode_image(mx.array(np.asarray(processor.image_processor([image])[0]["pixel_values"])))
-    vision = load(path, load_vision=True).vision
+    vision = encoder(load(path, load_vision=True))
     patches = vision.process(image)
     ours = vision.load()(mx.array(patches.pixels), mx.array(patches.positions))
     gap = float(mx.abs(theirs.reshape(ours.shape) - ours).max())
@@ -156,7 +158,7 @@ def transformers_ttft(repeats: int, path: Path, size: tuple) -> str:
     from mlx_mtp.models.gemma4_vision import expand_placeholders
 
     loaded = load(path)
-    vision = loaded.vision
+    vision = encoder(loaded)
     model = Gemma4ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
     times, first = [], []
     for i in range(repeats + 1):  # the first run warms up

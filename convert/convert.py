@@ -98,9 +98,14 @@ def plan(
     # the projections the model joins at load.
     weights = {prefix + k: v for k, v in module.unjoin(dict(tree_flatten(model.parameters())), layers, kept).items()}
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the caller owns the arrays now
-    media = embedder_weights if model_type == "gemma4_unified" else vision_weights
-    if "vision_config" in config or "audio_config" in config:
-        weights.update(media(src, config, DTYPES[dtype], quantize and quantize_vision, bits, group_size, shapes_only))
+    towers = quantize and quantize_vision, bits, group_size, shapes_only
+    if model_type == "gemma4_unified" and ("vision_config" in config or "audio_config" in config):
+        weights.update(embedder_weights(src, config, DTYPES[dtype], *towers))
+    elif model_type not in DRAFTER_TYPES:
+        if config.get("vision_config"):
+            weights.update(vision_weights(src, config, DTYPES[dtype], *towers))
+        if config.get("audio_config"):
+            weights.update(audio_weights(src, config, DTYPES[dtype], shapes_only))
     return src, config, weights
 
 
@@ -118,6 +123,20 @@ def vision_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, quantize:
     else:
         vision = vision_from_weights(config, load_weights(weight_files(src)), evaluate=False)
     return _cast_and_quantize(vision, config, dtype, quantize, bits, group_size)
+
+
+def audio_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, shapes_only: bool) -> dict[str, mx.array]:
+    """The E2B/E4B audio tower and its embedder under mlx-community's names (`audio_tower.*`,
+    `embed_audio.*`, convolutions channel-last), in `dtype` (bf16 by default), never quantized:
+    the conformer is 0.3B parameters whose convolutions and clipped linears quantize poorly."""
+    from mlx_mtp.loading import load_weights, weight_files
+    from mlx_mtp.models.gemma4_audio import Audio, audio_from_weights
+
+    if shapes_only:
+        audio = Audio.from_config(config)
+    else:
+        audio = audio_from_weights(config, load_weights(weight_files(src)), dtype=None, evaluate=False)
+    return _cast_and_quantize(audio, config, dtype, False, None, None)
 
 
 def embedder_weights(src: Path, config: dict[str, Any], dtype: mx.Dtype, quantize: bool, bits: Optional[int],
@@ -251,8 +270,6 @@ def summary(config: dict[str, Any], weights: dict[str, mx.array]) -> str:
 def output_config(config: dict[str, Any], model, dtype: str) -> dict[str, Any]:
     """The input config in the released form mlx-lm reads (`global_head_dim`, no `per_layer_config`)."""
     config = copy.deepcopy(config)
-    if config["model_type"] != "gemma4_unified":  # the 12B's audio embedder is kept (`embedder_weights`)
-        config.pop("audio_config", None)  # the vision tower is kept (`vision_weights`); audio is not supported
     text_cfg = model.config.text if config["model_type"] in DRAFTER_TYPES else model.config
     text = config.get("text_config", config) if config["model_type"] not in TEXT_TYPES else config
     _released_text_config(text, text_cfg)

@@ -42,6 +42,7 @@ HELP = """commands:
   /reset   start over (the system message stays)
   /stats   details of the last reply and the KV cache
   /image PATH  show the model an image with your next message (a model with a vision tower)
+  /audio PATH  let the model hear a recording with your next message (E2B, E4B, the 12B)
   /help    this help
   /quit    leave (so do quit, exit, end of input, Ctrl-D)
 Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
@@ -93,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image to show the model with the first message (repeatable; /image PATH in the chat; "
                          "default: none)")
+    ap.add_argument("--audio", action="append", default=[], metavar="PATH",
+                    help="a recording (WAV, FLAC, OGG, MP3) for the model to hear with the first message (repeatable; "
+                         "/audio PATH in the chat; E2B, E4B and the 12B; default: none)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
                                                        "what the demo pair, a code model, does best (default: off)")
     ap.add_argument("--stop-at-dedent", action=argparse.BooleanOptionalAction, default=True,
@@ -296,7 +300,7 @@ def details(session: Session) -> str:
 def answer(session: Session, text: str, options: dict, stop_at_repeat: bool = True) -> None:
     """Stream the reply to `text` on stdout, then what ended it early and its stat line on stderr."""
     request = dict(options)
-    options.pop("images", None)  # shown with this message only, whether or not it gets a reply
+    options.pop("media", None)  # shown with this message only, whether or not it gets a reply
     stream = session.reply(text, **request)
     stream = LoopStop(stream) if stop_at_repeat else stream
     printer, replied = Printer(session.enable_thinking), False
@@ -424,21 +428,22 @@ def ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
-def attach(session, options: dict, path: str):
-    """Show the image at `path` with the next message: the session becomes an `ImageChat` (the
-    conversation so far carried over) and `options` carry the image until that message is sent."""
-    from .chat_images import ImageChat, check_image
+def attach(session, options: dict, path: str, kind: str = "image"):
+    """Show the image (or play the audio) at `path` with the next message: the session becomes an
+    `ImageChat` (the conversation so far carried over) and `options` carry the media part until that
+    message is sent."""
+    from .chat_images import ImageChat, check_media
 
     try:
         if isinstance(session, Completion):
-            raise ValueError("--raw completes text: images go with chat messages")
-        check_image(path)
+            raise ValueError(f"--raw completes text: {kind}s go with chat messages")
+        part = check_media(session.engine.loaded, path, kind)
         if not isinstance(session, ImageChat):
             session = ImageChat(session.engine, list(session.messages), session.enable_thinking,  # system first
                                 session.keep_thinking)
-        options.setdefault("images", []).append(path)
-        print(f"(image {path} goes with your next message)", file=sys.stderr)
-    except ValueError as e:  # ImageError: not an image, a model without a tower
+        options.setdefault("media", []).append(part)
+        print(f"({kind} {path} goes with your next message)", file=sys.stderr)
+    except ValueError as e:  # ImageError, AudioError: unreadable, a model without the tower
         print(f"error: {e}", file=sys.stderr)
     return session
 
@@ -469,8 +474,9 @@ def repl(session: Session, options: dict, interactive: bool, stop_at_repeat: boo
             print("(new conversation)")
         elif command == "/stats":
             print(details(session))
-        elif command.startswith("/image"):
-            session = attach(session, options, command[len("/image"):].strip())
+        elif command.startswith(("/image", "/audio")):
+            kind = command[1:6]
+            session = attach(session, options, command[len(kind) + 1:].strip(), kind)
         elif command.startswith("/"):
             print(f"unknown command {command}; /help lists them")
         elif command:
@@ -514,9 +520,9 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
         else:
             session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine,
                                    keep_thinking=args.keep_thinking)
-        for path in args.image:
-            session = attach(session, options, path)
-        if len(options.get("images", ())) != len(args.image):
+        for path, kind in [*((p, "image") for p in args.image), *((p, "audio") for p in args.audio)]:
+            session = attach(session, options, path, kind)
+        if len(options.get("media", ())) != len(args.image) + len(args.audio):
             return 2
         if args.prompt is not None:
             return answer_once(session, args.prompt, options, args.stop_at_repeat)

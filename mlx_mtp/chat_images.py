@@ -1,9 +1,10 @@
-"""The terminal chat once an image is in it (`/image PATH`, `--image PATH`).
+"""The terminal chat once an image or a recording is in it (`/image PATH`, `--image PATH`, `/audio
+PATH`, `--audio PATH`).
 
-An engine conversation takes text turns; a chat with images sends, each turn, one request with the
-whole conversation as messages (each image a part of the message it came with). The prefix cache
-restores what the turns before computed, an image by its content, so a turn prefills only what is
-new, as a conversation's does.
+An engine conversation takes text turns; a chat with media sends, each turn, one request with the
+whole conversation as messages (each image or clip a part of the message it came with). The prefix
+cache restores what the turns before computed, media by their content, so a turn prefills only what
+is new, as a conversation's does.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from .decode.stats import Stats
 
 class ImageChat:
     """What the chat's REPL uses of a `Conversation` (reply, reset, cached_tokens, last_stats,
-    enable_thinking), for a conversation with images.
+    enable_thinking), for a conversation with images or audio.
 
     Args:
-        engine: the chat's engine (its model must have a vision tower).
+        engine: the chat's engine.
         messages: the conversation so far (a `Conversation`'s messages, its system message first).
         enable_thinking: the template's switch for reasoning before the answer.
         keep_thinking: earlier replies keep their reasoning in later prompts (`Request.keep_thinking`).
@@ -29,8 +30,6 @@ class ImageChat:
 
     def __init__(self, engine, messages: Sequence[dict] = (), enable_thinking: bool = False,
                  keep_thinking: bool = False):
-        if getattr(engine.loaded, "vision", None) is None:
-            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
         self.engine, self.loaded = engine, engine.loaded
         self.enable_thinking, self.keep_thinking = enable_thinking, keep_thinking
         self.messages = [dict(m) for m in messages]
@@ -38,10 +37,11 @@ class ImageChat:
         self.tokens: list[int] = []
         self.last_stats: Optional[Stats] = None
 
-    def reply(self, text: str, max_tokens: int = 256, images: Sequence = (), **options) -> Iterator[TokenEvent]:
-        """Add a user message (with `images`: paths, bytes or PIL images, before its text) and stream
-        the reply, which joins the conversation as streamed."""
-        content = [{"type": "image", "image": i} for i in images] + [{"type": "text", "text": text}]
+    def reply(self, text: str, max_tokens: int = 256, images: Sequence = (), media: Sequence = (),
+              **options) -> Iterator[TokenEvent]:
+        """Add a user message (with `images`: paths, bytes or PIL images, and `media`: image and audio
+        parts, before its text) and stream the reply, which joins the conversation as streamed."""
+        content = [{"type": "image", "image": i} for i in images] + list(media) + [{"type": "text", "text": text}]
         messages = [*self.messages, {"role": "user", "content": content}]
         request = Request(messages=messages, max_tokens=max_tokens, enable_thinking=self.enable_thinking,
                           keep_thinking=self.keep_thinking, **options)
@@ -75,3 +75,18 @@ def check_image(path: str) -> str:
 
     open_image(path)
     return path
+
+
+def check_media(loaded, path: str, kind: str) -> dict:
+    """The message part of the image or audio file at `path`, if the model takes it and the file
+    reads (ImageError or AudioError saying why not)."""
+    if kind == "image":
+        if loaded.vision is None:
+            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
+        return {"type": "image", "image": check_image(path)}
+    from .formats.audio import AudioError, load_audio
+
+    if loaded.audio is None:
+        raise AudioError("this model takes no audio (its checkpoint has no audio tower: E2B, E4B and the 12B take audio)")
+    load_audio(path)
+    return {"type": "audio", "audio": path}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
@@ -12,9 +13,8 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .formats.chat import stop_tokens
-from .formats.vision import encoder_for
 from .decode.drafters import HybridDrafter, MTPProposer, NgramDrafter
-from .models import DRAFTER_TYPES, model_module
+from .models import DRAFTER_TYPES, MEDIA, model_module, tower_builder
 from .models.base import ConfigError
 from .models.quantized import adopt
 
@@ -222,20 +222,64 @@ def widen_experts(model: nn.Module) -> None:
             module.update({k: v.astype(mx.float32) for k, v in module.parameters().items()})
 
 
+class Tower:
+    """A checkpoint's vision or audio tower (found through the models' registry), read from its
+    weights the first time it is used (`get`), once, whichever thread asks first: text-only use
+    never pays for it. What turns requests' media into its inputs is the formats' (`formats.vision`,
+    `formats.audio`); they keep what they make of a tower on it (`extras`)."""
+
+    def __init__(self, kind: str, path: Path, config: dict[str, Any], build, dtype: Optional[mx.Dtype] = None):
+        self.kind, self.path, self.config, self.dtype = kind, Path(path), config, dtype
+        self.extras: dict[str, Any] = {}
+        self._build, self._model = build, None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def get(self) -> nn.Module:
+        """The tower, read now if it was not yet."""
+        with self._lock:
+            if self._model is None:
+                model = self._build(self.config, load_weights(weight_files(self.path)))
+                if self.dtype is not None:
+                    cast_floats(model, self.dtype)
+                    mx.eval(model.parameters())
+                self._model = model
+            return self._model
+
+    def load(self) -> nn.Module:
+        return self.get()
+
+
+def towers(path: Path, config: dict[str, Any], dtype: Optional[mx.Dtype] = None) -> dict[str, Tower]:
+    """The checkpoint's media towers by kind ("vision", "audio"), not read yet."""
+    found, built = {}, {}
+    for kind in MEDIA:
+        build = tower_builder(config, kind)
+        if build is not None:  # (the 12B's embedders are one module for both kinds: one tower)
+            found[kind] = built[build] = built.get(build) or Tower(kind, path, config, build, dtype)
+    return found
+
+
 class Loaded(NamedTuple):
     """A target, its tokenizer (None if the directory has none), an optional drafter,
-    and the token ids that end a reply (Gemma 4's turn end and tool response included)."""
+    the token ids that end a reply (Gemma 4's turn end and tool response included), and the
+    checkpoint's vision and audio towers (`Tower`, None without one; read with the first image
+    or audio)."""
 
     target: nn.Module
     tokenizer: Any
     drafter: Optional[nn.Module]
     eos_ids: frozenset
-    vision: Any = None  # `vision.VisionEncoder` of a checkpoint with a vision tower (loaded with the first image)
+    vision: Optional[Tower] = None
+    audio: Optional[Tower] = None
 
 
 def load(
     model: Union[str, Path], drafter: Union[str, Path, None] = None, dtype: Optional[mx.Dtype] = None,
-    ngram: bool = False, load_vision: bool = False,
+    ngram: bool = False, load_vision: bool = False, load_audio: bool = False,
 ) -> Loaded:
     """Load a Gemma 4 target and what drafts for it.
 
@@ -247,6 +291,7 @@ def load(
         ngram: with an MTP drafter, use the n-gram proposal where it is long (hybrid).
         load_vision: read a vision tower now rather than with the first image (which then waits
             for it); text-only use never reads it.
+        load_audio: the same for an audio tower (E2B/E4B; the 12B's audio embedder).
 
     Raises:
         ModelKindError: `model` is a drafter, or `drafter` is not one.
@@ -264,10 +309,12 @@ def load(
         if ngram:
             draft = HybridDrafter(MTPProposer(draft, target), NgramDrafter())
     tokenizer = load_tokenizer(path)
-    vision = encoder_for(path, config, dtype)
-    if vision is not None and load_vision:
-        vision.load()
-    return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer), vision)
+    found = towers(path, config, dtype)
+    for kind, now in (("vision", load_vision), ("audio", load_audio)):
+        if now and kind in found:
+            found[kind].get()
+    return Loaded(target, tokenizer, draft, eos_ids(path, config) | stop_tokens(tokenizer), found.get("vision"),
+                  found.get("audio"))
 
 
 def load_drafter(drafter: Union[str, Path], target, dtype: Optional[mx.Dtype] = None) -> nn.Module:

@@ -147,3 +147,33 @@ def make_all_controls_model(dest: Path) -> Path:
     gen = json.loads((dest / "generation_config.json").read_text())
     (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
     return dest
+
+
+# ---- a tiny E2B-shaped chat model that takes audio ------------------------------------------------
+
+AUDIO_SPECIALS = {"boa_token_id": 123, "audio_token_id": 124, "eoa_token_id": 125}  # MEDIA_SPECIALS' ids
+SMALL_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma4-small-2026-07-14.jinja"
+
+
+def make_audio_chat_model(dest: Path) -> Path:
+    """The tiny E2B target (per-layer embeddings, KV-shared layers) as a `gemma4` checkpoint with an
+    audio tower of tests/fixtures/audio_tower's shape (its weights random, projected to this
+    target's width), Gemma 4's tokenizer with every control token and the released E2B template."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_mtp.models.gemma4_audio import Audio
+
+    shutil.copytree(TINY.parent / "e2b" / "target", dest)
+    text = {**json.loads((dest / "config.json").read_text()), "max_position_embeddings": 4096}  # 70 s of audio
+    audio = json.loads((Path(__file__).parent / "fixtures" / "audio_tower" / "config.json").read_text())["audio_config"]
+    config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+              "audio_config": audio, **AUDIO_SPECIALS, "eos_token_id": GEMMA4_EOS[:2]}
+    (dest / "config.json").write_text(json.dumps(config))
+    mx.random.seed(0)
+    tower = Audio.from_config(config)
+    mx.save_safetensors(str(dest / "audio.safetensors"), {f"model.{k}": v for k, v in tree_flatten(tower.parameters())})
+    write_gemma4_tokenizer(dest, SMALL_TEMPLATE.read_text(), all_controls_vocab())
+    gen = json.loads((dest / "generation_config.json").read_text())
+    (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
+    return dest

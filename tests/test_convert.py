@@ -455,7 +455,7 @@ def test_default_4bit_recipe_matches_mlx_community(google, community):
     _, config, weights = plan(REAL / f"google--{google}", quantize=True, shapes_only=True, progress=False)
     theirs = json.loads((REAL / f"mlx-community--{community}" / "config.json").read_text())["quantization"]
     assert normal(config["quantization"]) == normal(theirs)
-    vision = ("vision_tower.", "embed_vision.")  # kept in --dtype (tests/test_vision_convert.py)
+    vision = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")  # kept in --dtype (E2B/E4B: audio too)
     assert all(k.startswith("language_model.model.") for k in weights if not k.startswith(vision))
     assert not any(k.endswith(".scales") for k in weights if k.startswith(vision))
 

@@ -19,10 +19,9 @@ LAYERS = [
     ["decode"], ["loading"], ["demo"], ["cli"], ["distributed"], ["learn"], ["engine"], ["server"],
     ["chat", "chat_images", "selftest", "__main__", "__init__"],
 ]
-# Imports inside a function that may reach up, each with its reason.
-UPWARD = {
-    ("formats.vision", "loading"): "the vision encoder's weights load with the first image, by the loader",
-}
+# Imports inside a function that may reach up, each with its reason (none now: the media towers are
+# `loading.Tower`s, found through the models' registry, which formats' encoders are handed).
+UPWARD: dict = {}
 TOP = {"__init__.py", "__main__.py", "chat.py", "chat_images.py", "cli.py", "loading.py",
        "cache", "decode", "demo", "distributed", "engine", "formats", "kernels", "learn", "models",
        "runtime", "selftest", "server"}
@@ -183,9 +182,9 @@ history images jit kernels kernels.attn_input kernels.dispatch kernels.ffn kerne
 kernels.sdpa kernels.source loading lockstep memory mlx_build models models.base models.quantized
 output prefill prefix_cache prefix_disk prepare processors requests row sample speculative stats
 text threads vision worker""".split()
-# modules written after the move (issue 42's router kernel; issue 49's split of formats.chat), imported as
-# their siblings are
-ADDED_SINCE = ["kernels.routing", "formats.markup", "formats.toolcall"]
+# modules written after the move (issue 42's router kernel; issue 49's split of formats.chat; issue 50's
+# audio), imported as their siblings are
+ADDED_SINCE = ["kernels.routing", "formats.markup", "formats.toolcall", "formats.media", "formats.audio"]
 
 
 def test_import_mlx_mtp_loads_no_module_it_did_not_load_before_the_layers():

@@ -131,7 +131,7 @@ def test_stop_strings_and_length_with_parsing(client):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      None, "takes no images"),  # the scripted model has no vision tower
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "messages[0].content", "text and image_url parts"),
+     "messages[0].content[0]", "input_audio\": {\"data\": <base64>"),
 ])
 def test_bad_tool_requests_get_a_one_line_400(scripted_server, extra, param, match):
     body = {"model": MODEL, "messages": [{"role": "user", "content": PARIS}], "tools": TOOLS, **extra}

@@ -13,6 +13,7 @@ from mlx_mtp import Engine, Request, load
 from mlx_mtp.decode.generate import generate_tokens
 from mlx_mtp.formats.images import ImageError
 from mlx_mtp.models.gemma4_vision import placeholder_runs
+from mlx_mtp.formats.vision import encoder
 
 WAIT = 120
 
@@ -50,7 +51,7 @@ def test_image_messages_answer_as_placed_ids(model_dir, tmp_path):
     placeholder per image, expanded to each image's soft tokens; the reply (MTP on) equals plain
     decoding of those ids with the images placed."""
     loaded = load(model_dir, DRAFTER)
-    assert loaded.vision.budget == 70  # processor_config.json's
+    assert encoder(loaded).budget == 70  # processor_config.json's
     path = tmp_path / "b.png"
     path.write_bytes(png(picture(30, 45, seed=1)))
     messages = [{"role": "user", "content": [{"type": "image", "image": picture(40, 30)},
@@ -59,11 +60,11 @@ def test_image_messages_answer_as_placed_ids(model_dir, tmp_path):
     with Engine(loaded) as engine:
         prepared = engine._prepare.one_shot(Request(messages=messages, max_tokens=20))[1]
         reply = engine.submit(Request(messages=messages, max_tokens=20, draft_tokens=2)).result(WAIT)
-    runs = placeholder_runs(prepared.tokens, loaded.vision.image_token)
-    counts = [loaded.vision.process(s).tokens for s in (picture(40, 30), str(path))]
+    runs = placeholder_runs(prepared.tokens, encoder(loaded).image_token)
+    counts = [encoder(loaded).process(s).tokens for s in (picture(40, 30), str(path))]
     assert 1 < counts[0] != counts[1] > 1
     assert [e - s for s, e in runs] == counts
-    assert all(prepared.tokens[s - 1] == loaded.vision.boi and prepared.tokens[e] == loaded.vision.eoi for s, e in runs)
+    assert all(prepared.tokens[s - 1] == encoder(loaded).boi and prepared.tokens[e] == encoder(loaded).eoi for s, e in runs)
     plain = [t for t, _ in generate_tokens(loaded.target, prepared.tokens, max_tokens=20, images=prepared.images,
                                            stop_ids=loaded.eos_ids)]
     assert list(reply.tokens) == plain
@@ -185,9 +186,11 @@ def test_openai_says_which_parts_a_message_takes():
     from mlx_mtp.server.common import APIError, ServedModel
 
     audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
-    for role, parts in (("user", "text and image_url parts"), ("assistant", "text parts")):
+    file = {"type": "file", "file": {"file_id": "f"}}
+    for role, part, parts in (("user", file, "text, image_url and input_audio parts"),
+                              ("assistant", audio, "text parts")):
         with pytest.raises(APIError) as e:
-            protocol.parse_chat({"messages": [{"role": role, "content": [audio]}]}, ServedModel("m", 64, 128))
+            protocol.parse_chat({"messages": [{"role": role, "content": [part]}]}, ServedModel("m", 64, 128))
         assert str(e.value) == f"messages[0].content must be a string or a list of {parts}"
 
 
@@ -268,11 +271,11 @@ def test_http_image_urls_are_fetched_only_when_allowed(api, tmp_path):
     url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
     try:
         assert client.post("/v1/chat/completions", json=openai_body(url)).status_code == 400
-        loaded.vision.fetch_urls = True
+        encoder(loaded).fetch_urls = True
         ok = client.post("/v1/chat/completions", json=openai_body(url))
         missing = client.post("/v1/chat/completions", json=openai_body(url.replace("a.png", "b.png")))
     finally:
-        loaded.vision.fetch_urls = False
+        encoder(loaded).fetch_urls = False
         server.shutdown()
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 60
     assert missing.status_code == 400 and "cannot fetch the image" in missing.json()["error"]["message"]

@@ -10,6 +10,7 @@ import pytest
 
 from apps.vision_ttft import BIG, DEMO, demo_checkpoint, picture
 from mlx_mtp import load
+from mlx_mtp.formats.vision import encoder
 
 
 def soft_tokens(vision, image, budget):
@@ -19,7 +20,7 @@ def soft_tokens(vision, image, budget):
 
 def test_demo_checkpoint_takes_a_280_token_image(tmp_path):
     path = demo_checkpoint(tmp_path / "demo280")
-    big, small = load(path, load_vision=True).vision, load(DEMO, load_vision=True).vision
+    big, small = encoder(load(path, load_vision=True)), encoder(load(DEMO, load_vision=True))
     assert big.budget == 280
     assert json.loads((path / "config.json").read_text())["text_config"]["global_head_dim"] == 32
     tokens, out = soft_tokens(big, picture(*BIG, seed=0), 280)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..formats import chat as chat_format, vision
+from ..formats import chat as chat_format, media
 from ..decode.batch import BAN, check_fits
 from ..formats.chat import Prompt
 from ..decode.grammar import Grammar, vocabulary
 from .history import Replies, Turn
-from ..formats.images import ImageError
 from .output import Output
 from .requests import Prepared, Request
 from ..decode.text import encode, token_piece
@@ -39,35 +38,23 @@ class Preparer:
     def one_shot(self, request: Request) -> tuple[Request, Prepared]:
         """A one-shot request with its calls banned where asked, and its prompt, checked against the
         context, with its grammar state."""
-        sources, messages = vision.message_images(request.messages)
+        sources, messages = media.message_media(request.messages)
         tokens, boundaries, chat = self.render(request if messages is None else dataclasses.replace(request,
                                                                                                    messages=messages))
         images = None
-        if sources:
-            tokens, images = self._images(tokens, sources)
+        if sources:  # images and audio: their placeholders expanded, their soft tokens placed
+            tokens, images = media.place(self.loaded, tokens, sources)
             boundaries = chat_format.turn_ends(tokens, self.loaded.eos_ids)
         check_fits(len(tokens), self.loaded.target.config.max_position_embeddings,
                    request.max_tokens if request.fit_max_tokens else None)
         return self._ban_calls(request), Prepared(tokens, boundaries, chat, self._matcher(request.grammar, chat), images)
 
-    def _images(self, tokens: list, sources: list) -> tuple[list, object]:
-        """The prompt with its images' placeholders expanded, and the images encoded and placed."""
-        return self._encoder().place(tokens, sources)
-
-    def _encoder(self):
-        encoder = getattr(self.loaded, "vision", None)
-        if encoder is None:
-            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
-        return encoder
-
     def count(self, request: Request) -> int:
-        """The length of a one-shot request's prompt as it would run (images as their soft tokens,
+        """The length of a one-shot request's prompt as it would run (media as their soft tokens,
         counted from their sizes: nothing is encoded)."""
-        sources, messages = vision.message_images(request.messages)
+        sources, messages = media.message_media(request.messages)
         tokens = self.render(request if messages is None else dataclasses.replace(request, messages=messages))[0]
-        if not sources:
-            return len(tokens)
-        return len(tokens) + sum(self._encoder().process(s).tokens + 1 for s in sources)  # <|image|>: boi, N, eoi
+        return len(tokens) + media.count(self.loaded, sources)
 
     def turn(self, request: Request, turn: Turn) -> Prepared:
         """A conversation's turn as it starts, with its grammar (after the turns before it)."""

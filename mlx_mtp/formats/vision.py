@@ -13,8 +13,6 @@ OpenAI's `"detail": "low"` is 70). The template renders each image as one `<|ima
 from __future__ import annotations
 
 import json
-import threading
-from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
@@ -34,45 +32,35 @@ class ImagePart(NamedTuple):
 
 
 class VisionEncoder:
-    """The image path of one checkpoint: its encoder (`models.gemma4_vision.Vision`), read from the
-    checkpoint's files the first time an image comes (`load()` does it at once), and its token ids."""
+    """The image path of one checkpoint: its tower (`loading.Tower`, read the first time an image
+    comes), how images become its patches (the checkpoint's soft-token budget) and its token ids."""
 
-    def __init__(self, path: Path, config: dict, dtype: Optional[mx.Dtype] = None, budget: int = image_io.DEFAULT_BUDGET):
+    def __init__(self, tower, budget: int = image_io.DEFAULT_BUDGET):
         from ..models.gemma4_vision import VisionConfig
 
-        self.path, self.config, self.dtype = Path(path), config, dtype
-        self.vision_config = VisionConfig.from_dict(config["vision_config"])
+        config = tower.config
+        self.tower, self.config = tower, config
+        self.unified = config.get("model_type") == "gemma4_unified"  # the 12B: encoder-free, not wired yet
+        self.vision_config = None if self.unified else VisionConfig.from_dict(config["vision_config"])
         self.image_token = int(config.get("image_token_id", 258880))
         self.boi = int(config.get("boi_token_id", 255999))
         self.eoi = int(config.get("eoi_token_id", 258882))
         self.budget = budget
         self.fetch_urls = False  # http(s) image URLs are fetched only where the server is told to
-        self._model = None
-        self._lock = threading.Lock()
 
     @property
     def loaded(self) -> bool:
-        return self._model is not None
+        return self.tower.loaded
 
     def load(self):
-        """The encoder, read now if it was not yet (once, whichever thread asks first)."""
-        with self._lock:
-            if self._model is None:
-                from ..loading import load_weights, weight_files
-                from ..models.gemma4_vision import vision_from_weights
-
-                model = vision_from_weights(self.config, load_weights(weight_files(self.path)))
-                if self.dtype is not None:
-                    from ..loading import cast_floats
-
-                    cast_floats(model, self.dtype)
-                    mx.eval(model.parameters())
-                self._model = model
-            return self._model
+        """The tower, read now if it was not yet (once, whichever thread asks first)."""
+        return self.tower.get()
 
     def process(self, source, budget: Optional[int] = None) -> image_io.Patches:
         """One image source (or `ImagePart`, with its own budget) opened and patchified for this
         encoder (ImageError if unusable)."""
+        if self.unified:
+            raise ImageError("images on the 12B (gemma4_unified) do not reach its embedders yet: send text")
         if isinstance(source, ImagePart):
             source, budget = source.source, source.budget or budget
         cfg = self.vision_config
@@ -95,17 +83,21 @@ class VisionEncoder:
         return ids, placed
 
 
-def encoder_for(path: Path, config: dict, dtype: Optional[mx.Dtype] = None) -> Optional[VisionEncoder]:
-    """The checkpoint's (not yet loaded) vision encoder, or None when it has no vision tower. Its
-    soft-token budget is the checkpoint's `processor_config.json` `max_soft_tokens` (else 280)."""
-    if not config.get("vision_config"):
+def encoder(loaded) -> Optional[VisionEncoder]:
+    """The image path of a `load()`ed model (made once, kept on its tower), or None when it has no
+    vision tower. Its soft-token budget is the checkpoint's `processor_config.json`
+    `max_soft_tokens` (else 280)."""
+    tower = getattr(loaded, "vision", None)
+    if tower is None:
         return None
-    budget = image_io.DEFAULT_BUDGET
-    processor = Path(path) / "processor_config.json"
-    if processor.is_file():
-        record = json.loads(processor.read_text())
-        budget = (record.get("image_processor") or record).get("max_soft_tokens", budget)
-    return VisionEncoder(path, config, dtype, budget)
+    if "encoder" not in tower.extras:
+        budget = image_io.DEFAULT_BUDGET
+        processor = tower.path / "processor_config.json"
+        if processor.is_file():
+            record = json.loads(processor.read_text())
+            budget = (record.get("image_processor") or record).get("max_soft_tokens", budget)
+        tower.extras["encoder"] = VisionEncoder(tower, budget)
+    return tower.extras["encoder"]
 
 
 def image_source(part: Mapping) -> Any:

@@ -291,21 +291,23 @@ def vision_from_weights(config: dict[str, Any], weights: dict[str, mx.array], ev
 
 
 class ImageRows(NamedTuple):
-    """The image soft tokens of one forward, as `gemma4.Model` takes them (`images=`)."""
+    """The media soft tokens of one forward, as `gemma4.Model` takes them (`images=`)."""
 
     rows: mx.array  # (n,) int32: flat token rows (b * L + i) that take a soft token
     features: mx.array  # (n, text hidden): their soft tokens, in row order
-    blocks: tuple  # (starts, ends), (B, M) int32 absolute positions of each image's run (KVCache.begin)
+    blocks: Optional[tuple]  # (starts, ends), (B, M) int32 absolute positions of each image's run
+    # (KVCache.begin); None where only causal media (audio) are in the forward
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptImages:
-    """The images of one prompt: where each image's soft tokens start (absolute position of its
-    first placeholder) and the soft tokens themselves, in prompt order."""
+    """The media of one prompt (images, audio clips): where each one's soft tokens start (absolute
+    position of its first placeholder) and the soft tokens themselves, in prompt order."""
 
     starts: tuple
     features: tuple  # (N_i, text hidden) each
-    digests: tuple = ()  # each image's content key (`images.Patches.digest`)
+    digests: tuple = ()  # each one's content key (`images.Patches.digest`, a clip's samples' hash)
+    causal: tuple = ()  # each one's soft tokens stay causal (audio); images' see each other (26B/31B)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -316,17 +318,18 @@ class PromptImages:
         """The soft tokens among positions start .. start + length - 1 of a one-row forward (None:
         no image there). An image cut by the forward's ends contributes its rows inside it."""
         rows, feats, starts, ends = [], [], [], []
-        for (s, e), f in zip(self.spans, self.features):
+        for i, ((s, e), f) in enumerate(zip(self.spans, self.features)):
             a, b = max(s, start), min(e, start + length)
             if a >= b:
                 continue
             rows.append(np.arange(a - start, b - start, dtype=np.int32))
             feats.append(f[a - s : b - s])
-            starts.append(s)
-            ends.append(e)
+            if not (i < len(self.causal) and self.causal[i]):
+                starts.append(s)
+                ends.append(e)
         if not rows:
             return None
-        blocks = (mx.array([starts], dtype=mx.int32), mx.array([ends], dtype=mx.int32))
+        blocks = (mx.array([starts], dtype=mx.int32), mx.array([ends], dtype=mx.int32)) if starts else None
         return ImageRows(mx.array(np.concatenate(rows)), mx.concatenate(feats, axis=0), blocks)
 
     def keyed(self, prompt: Sequence[int]) -> list:

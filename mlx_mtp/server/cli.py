@@ -118,8 +118,11 @@ def load_model(args):
         drafter, dtype, name = drafter or demo_drafter, dtype or "float32", DEMO_ID
     loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None,
                   load_vision=getattr(args, "load_vision", False))
-    if loaded.vision is not None:
-        loaded.vision.fetch_urls = getattr(args, "allow_image_urls", False)
+    from ..formats import vision
+
+    images = vision.encoder(loaded)
+    if images is not None:
+        images.fetch_urls = getattr(args, "allow_image_urls", False)
     if loaded.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer: the server needs one")
     args.drafter_dir = drafter if drafter not in (None, "ngram") else None

@@ -11,6 +11,8 @@ constraints (`response_format`, a forced `tool_choice`, vLLM's `structured_outpu
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import time
@@ -33,6 +35,8 @@ from .fields import (HISTORY_EXTENSIONS, OPENAI_CALL, OPENAI_CHAT, OPENAI_COMPLE
 
 __all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "parse_chat", "parse_completion",
            "response", "stream"]
+MEDIA_PARTS = ("image_url", "input_audio")  # content parts beside text in user and system messages
+AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
 
 # OpenAI's newer "developer" role is the system message of older models.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -245,7 +249,7 @@ def _messages(messages: Any) -> list:
         role = ROLES[message["role"]]
         content = message.get("content")
         images = role in ("user", "system")
-        m = {"role": role, "content": _image_content(content, i) if images and _has_images(content)
+        m = {"role": role, "content": _media_content(content, i) if images and _has_media(content)
              else _content(content, i, optional=role == "assistant", images=images)}
         if role == "assistant":
             m.update(_history_calls(message, i, names))
@@ -258,32 +262,35 @@ def _messages(messages: Any) -> list:
 
 def _content(content: Any, i: int, optional: bool = False, images: bool = False) -> Optional[str]:
     """A message's text: a string, or a list of text parts (`images`: a user or system message, whose
-    image_url parts `_image_content` takes; audio and files are not supported)."""
+    image_url and input_audio parts `_media_content` takes; files are not supported)."""
     if isinstance(content, str) or (content is None and optional):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    parts = "text and image_url parts" if images else "text parts"
+    parts = "text, image_url and input_audio parts" if images else "text parts"
     raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of {parts}")
 
 
-def _has_images(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+def _has_media(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in content)
 
 
-def _image_content(content: list, i: int) -> list:
-    """A user message's text and `image_url` parts (a data URL, or http(s) where the server fetches
-    them), as chat templates take them (`mlx_mtp.formats.vision`)."""
+def _media_content(content: list, i: int) -> list:
+    """A user message's text, `image_url` (a data URL, or http(s) where the server fetches them) and
+    `input_audio` parts, as chat templates take them (`mlx_mtp.formats.media`)."""
     parts = []
     for j, p in enumerate(content):
         where = f"messages[{i}].content[{j}]"
-        if not isinstance(p, dict) or p.get("type") not in ("text", "image_url"):
-            raise invalid(where, f"{where} must be a text or an image_url part")
+        if not isinstance(p, dict) or p.get("type") not in ("text", *MEDIA_PARTS):
+            raise invalid(where, f"{where} must be a text, an image_url or an input_audio part")
         if p["type"] == "text":
             if not isinstance(p.get("text"), str):
                 raise invalid(where, f"{where}.text must be a string")
             parts.append({"type": "text", "text": p["text"]})
+            continue
+        if p["type"] == "input_audio":
+            parts.append(_input_audio(p, where))
             continue
         url = p.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
@@ -295,6 +302,23 @@ def _image_content(content: list, i: int) -> list:
         detail = p["image_url"].get("detail") if isinstance(p.get("image_url"), dict) else None
         parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
     return parts
+
+
+def _input_audio(part: dict, where: str) -> dict:
+    """OpenAI's `{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3"}}`
+    as an audio part of the clip's bytes."""
+    clip = part.get("input_audio")
+    if not isinstance(clip, dict) or not isinstance(clip.get("data"), str):
+        raise invalid(where, f'{where} must be {{"type": "input_audio", "input_audio": {{"data": <base64>, '
+                             f'"format": "wav" or "mp3"}}}}')
+    if clip.get("format") not in AUDIO_FORMATS:
+        raise invalid(f"{where}.input_audio.format", f"Invalid value: {clip.get('format')!r}. Supported values "
+                                                    f"are: 'wav' and 'mp3'.")
+    try:
+        data = base64.b64decode(clip["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(f"{where}.input_audio.data", f"{where}.input_audio.data is not valid base64") from None
+    return {"type": "audio", "audio": data}
 
 
 def _history_calls(message: dict, i: int, names: dict) -> dict:
