@@ -177,3 +177,24 @@ def make_audio_chat_model(dest: Path) -> Path:
     gen = json.loads((dest / "generation_config.json").read_text())
     (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
     return dest
+
+
+# ---- a tiny 12B (`gemma4_unified`) chat model that takes images and audio ---------------------------
+
+UNIFIED = Path(__file__).parent / "fixtures" / "unified"
+
+
+def make_unified_chat_model(dest: Path) -> Path:
+    """tests/fixtures/unified's 12B-shaped target (encoder-free image and audio embedders) with Gemma
+    4's tokenizer (its media tokens at `all_controls_vocab`'s ids), the released 31B template and a
+    budget of 70 soft tokens (the fixture's position table takes 16 patches a side)."""
+    shutil.copytree(UNIFIED / "target", dest)
+    config = json.loads((dest / "config.json").read_text())
+    ids = {"image_token_id": 121, "boi_token_id": 120, "eoi_token_id": 122, **AUDIO_SPECIALS}
+    ids["eoa_token_index"] = ids["eoa_token_id"]
+    (dest / "config.json").write_text(json.dumps({**config, **ids}))
+    write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), all_controls_vocab())
+    gen = json.loads((dest / "generation_config.json").read_text())
+    (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
+    (dest / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 70}}))
+    return dest

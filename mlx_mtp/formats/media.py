@@ -158,8 +158,7 @@ def _blocks(loaded, sources: Sequence) -> list[list[tuple]]:
         else:
             enc = _images(loaded)
             patches = enc.process(s)
-            soft = enc.load()(patches.pixels, patches.positions)
-            out.append([(enc.boi, soft, enc.eoi, patches.digest, False)])
+            out.append([(enc.boi, enc.soft_tokens(patches), enc.eoi, patches.digest, False)])
     return out
 
 

@@ -1,13 +1,16 @@
-"""Images in requests: a checkpoint's vision encoder (loaded with the first image, so text-only use
-pays no memory for it), the image parts of chat messages, and a rendered prompt's placeholders
-expanded and filled with the images' soft tokens.
+"""Images in requests: a checkpoint's image path (its tower, `loading.Tower`, read with the first image,
+so text-only use pays no memory for it; how an image becomes its patches; its token ids) and the image
+parts of chat messages. `media` expands a prompt's placeholders and places the soft tokens.
 
 Message parts are as transformers' chat templates take them: `{"type": "image", "image": <path, bytes,
 data URL or PIL image>}` beside `{"type": "text", "text": ...}`; `{"type": "image", "url": ...}` and
 OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` are the same (`apply_chat_template` rewrites
 `image_url` parts so too). A part may ask for its own soft-token budget (`"max_soft_tokens": 70..1120`;
 OpenAI's `"detail": "low"` is 70). The template renders each image as one `<|image|>`; it becomes
-`<|image>` + N x `<|image|>` + `<image|>` (N: the image's soft tokens), as `Gemma4Processor` does.
+`<|image>` + N x `<|image|>` + `<image|>` (N: the image's soft tokens), as `Gemma4Processor` does. The
+12B has no tower: an image's 48-pixel patches go through its embedders (`models.gemma4_unified`), one
+soft token each, resized as the other checkpoints' are (Pillow's bicubic; transformers' 12B processor
+has only a torchvision backend).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from . import images as image_io
 from .images import ImageError
 
 IMAGE_PART_TYPES = ("image", "image_url")
+UNIFIED_PATCH = 48  # the 12B's patch side in pixels
 DETAIL_BUDGETS = {"low": 70}  # OpenAI's `detail`: "low" takes the smallest budget; others the checkpoint's
 
 
@@ -40,7 +44,7 @@ class VisionEncoder:
 
         config = tower.config
         self.tower, self.config = tower, config
-        self.unified = config.get("model_type") == "gemma4_unified"  # the 12B: encoder-free, not wired yet
+        self.unified = config.get("model_type") == "gemma4_unified"  # the 12B: encoder-free embedders
         self.vision_config = None if self.unified else VisionConfig.from_dict(config["vision_config"])
         self.image_token = int(config.get("image_token_id", 258880))
         self.boi = int(config.get("boi_token_id", 255999))
@@ -59,28 +63,20 @@ class VisionEncoder:
     def process(self, source, budget: Optional[int] = None) -> image_io.Patches:
         """One image source (or `ImagePart`, with its own budget) opened and patchified for this
         encoder (ImageError if unusable)."""
-        if self.unified:
-            raise ImageError("images on the 12B (gemma4_unified) do not reach its embedders yet: send text")
         if isinstance(source, ImagePart):
             source, budget = source.source, source.budget or budget
-        cfg = self.vision_config
         if self.fetch_urls and isinstance(source, str) and source.startswith(("http://", "https://")):
             source = image_io.fetch(source)
-        return image_io.process(source, budget or self.budget, patch=cfg.patch_size, pool=cfg.pooling_kernel_size)
+        # The 12B reads raw 48-pixel patches (16-pixel patches merged 3 x 3): one a soft token.
+        patch, pool = (UNIFIED_PATCH, 1) if self.unified else (self.vision_config.patch_size,
+                                                               self.vision_config.pooling_kernel_size)
+        return image_io.process(source, budget or self.budget, patch=patch, pool=pool)
 
-    def place(self, tokens: Sequence[int], sources: Sequence, budget: Optional[int] = None) -> tuple[list, Any]:
-        """A rendered prompt's tokens with its lone image placeholders expanded, and the images
-        (`gemma4_vision.PromptImages`, soft tokens computed and evaluated here) placed in them."""
-        from ..models.gemma4_vision import expand_placeholders, prompt_images
-
-        patches = [self.process(s, budget) for s in sources]
-        lone = sum(1 for t in tokens if t == self.image_token)
-        if lone != len(patches):
-            raise ValueError(f"the prompt has {lone} image placeholder(s) for {len(patches)} image(s)")
-        ids = expand_placeholders(tokens, [p.tokens for p in patches], self.boi, self.image_token, self.eoi)
-        placed = prompt_images(self.load(), ids, patches, self.image_token)
-        mx.eval(list(placed.features))  # on this thread: the worker reads them as evaluated arrays
-        return ids, placed
+    def soft_tokens(self, patches: image_io.Patches) -> mx.array:
+        """(patches.tokens, text hidden) soft tokens of one processed image."""
+        tower = self.load()
+        return tower.image(patches.pixels, patches.positions) if self.unified else tower(patches.pixels,
+                                                                                         patches.positions)
 
 
 def encoder(loaded) -> Optional[VisionEncoder]:

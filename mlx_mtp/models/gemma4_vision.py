@@ -376,14 +376,3 @@ def expand_placeholders(ids: Sequence[int], counts: Sequence[int], boi: int, ima
     if used != len(counts):
         raise ValueError(f"{len(counts)} image(s) given for {used} image placeholder(s) in the prompt")
     return out
-
-
-def prompt_images(vision: Vision, ids: Sequence[int], patches: Sequence, image_token: int) -> PromptImages:
-    """Encode `patches` (`images.Patches`, in prompt order) and place them at the runs of `image_token`
-    in ids (expanded: one run of N_i placeholders per image)."""
-    runs = placeholder_runs(ids, image_token)
-    if [e - s for s, e in runs] != [p.tokens for p in patches]:
-        raise ValueError(f"image placeholder runs {[e - s for s, e in runs]} do not match the images' soft "
-                         f"token counts {[p.tokens for p in patches]}")
-    feats = tuple(vision(p.pixels, p.positions) for p in patches)
-    return PromptImages(tuple(s for s, _ in runs), feats, tuple(p.digest for p in patches))
