@@ -202,3 +202,47 @@ def test_convert_keeps_the_audio_tower(model, loaded, tmp_path):
     convert(model, bf16, progress=False)  # --dtype's default
     tower = mlx_mtp.load(bf16).audio.get()
     assert {v.dtype for _, v in tree_flatten(tower.parameters())} == {mx.bfloat16}
+
+
+def test_mtp_sampling_after_audio_follows_the_target_law(loaded):
+    """As tests/test_vision_generate.py's after images: the first two sampled tokens of 400 rows after
+    an audio prompt, drafted by an independently random drafter, against the exact laws p1 and p1 @ p(. | x)."""
+    import mlx.core as mx
+    from test_sample import STRICT, _chi2
+
+    from mlx_mtp.decode.drafters import MTPProposer
+    from mlx_mtp.decode.sample import SamplingParams, probs
+    from mlx_mtp.decode.speculative import BatchState, Plan, run_round
+    from mlx_mtp.models.gemma4_vision import ImageRows
+
+    target, drafter = loaded.target, loaded.drafter
+    prepared = Preparer(loaded).one_shot(ask(tone(0.5)))[1]
+    ids, audio, L = prepared.tokens, prepared.images, len(prepared.tokens)
+
+    def tiled(rows: int, length: int) -> ImageRows:  # the clip in each of `rows` rows of one forward
+        one = audio.rows(0, length)
+        return ImageRows(mx.concatenate([one.rows + r * length for r in range(rows)]),
+                         mx.concatenate([one.features] * rows), None)
+
+    n, K, sampling = 400, 2, SamplingParams(temperature=1.0, top_k=40)
+    cache = target.make_cache(n, max_rollback=2 * K + 2)
+    out = target(mx.array([ids] * n), cache, images=tiled(n, L))
+    bonus = int(mx.argmax(out.logits[0, -1]))
+    seeds = mx.array(np.random.default_rng(0).integers(0, 2**32, n), dtype=mx.uint32)
+    state = BatchState(mx.full((n,), bonus, dtype=mx.int32), out.hidden[:, -1], seeds)
+    proposer = MTPProposer(drafter, target)
+    emitted, accepted, rounds = [[] for _ in range(n)], 0, 0
+    while min(len(e) for e in emitted) < 2:
+        state, rnd = run_round(target, proposer, cache, state, Plan((sampling,) * n, (K,) * n))
+        accepted, rounds = accepted + sum(a > 0 for a in rnd.accepted.tolist()), rounds + n
+        for row, toks, a in zip(emitted, rnd.tokens.tolist(), rnd.accepted.tolist()):
+            row.extend(toks[: a + 1])
+    context = ids + [bonus]
+    vocab = target.config.vocab_size
+    nxt = target(mx.array([context + [x] for x in range(vocab)]), images=tiled(vocab, L + 2)).logits[:, -1]
+    p_next = np.array(probs(target(mx.array([context]), images=audio.rows(0, L + 1)).logits[0, -1], sampling))
+    p2 = p_next @ np.array(probs(nxt, sampling))
+    first, second = np.array([e[0] for e in emitted]), np.array([e[1] for e in emitted])
+    for tokens, law in ((first, p_next), (second, p2)):
+        assert _chi2(np.bincount(tokens, minlength=vocab), law)[2] > STRICT
+    assert 0.05 < accepted / rounds < 0.95  # drafts were both accepted and rejected
