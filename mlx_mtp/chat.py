@@ -43,6 +43,7 @@ HELP = """commands:
   /stats   details of the last reply and the KV cache
   /image PATH  show the model an image with your next message (a model with a vision tower)
   /audio PATH  let the model hear a recording with your next message (E2B, E4B, the 12B)
+  /video PATH  show the model a video with your next message (32 frames; needs PyAV: mlx-mtp[video])
   /help    this help
   /quit    leave (so do quit, exit, end of input, Ctrl-D)
 Ctrl-C stops a reply; what was written stays in the conversation. At the prompt it clears the line."""
@@ -97,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--audio", action="append", default=[], metavar="PATH",
                     help="a recording (WAV, FLAC, OGG, MP3) for the model to hear with the first message (repeatable; "
                          "/audio PATH in the chat; E2B, E4B and the 12B; default: none)")
+    ap.add_argument("--video", action="append", default=[], metavar="PATH",
+                    help="a video for the model to see with the first message (repeatable; /video PATH in the chat; "
+                         "32 frames sampled; needs PyAV: pip install 'mlx-mtp[video]'; default: none)")
     ap.add_argument("--raw", action="store_true", help="complete each message as plain text (no template): "
                                                        "what the demo pair, a code model, does best (default: off)")
     ap.add_argument("--stop-at-dedent", action=argparse.BooleanOptionalAction, default=True,
@@ -474,7 +478,7 @@ def repl(session: Session, options: dict, interactive: bool, stop_at_repeat: boo
             print("(new conversation)")
         elif command == "/stats":
             print(details(session))
-        elif command.startswith(("/image", "/audio")):
+        elif command.startswith(("/image", "/audio", "/video")):
             kind = command[1:6]
             session = attach(session, options, command[len(kind) + 1:].strip(), kind)
         elif command.startswith("/"):
@@ -520,9 +524,11 @@ def talk(loaded: Loaded, args, sampling: SamplingParams, banner: str) -> int:
         else:
             session = Conversation(loaded, system=args.system, enable_thinking=args.think, engine=engine,
                                    keep_thinking=args.keep_thinking)
-        for path, kind in [*((p, "image") for p in args.image), *((p, "audio") for p in args.audio)]:
+        media = [*((p, "image") for p in args.image), *((p, "audio") for p in args.audio),
+                 *((p, "video") for p in args.video)]
+        for path, kind in media:
             session = attach(session, options, path, kind)
-        if len(options.get("media", ())) != len(args.image) + len(args.audio):
+        if len(options.get("media", ())) != len(media):
             return 2
         if args.prompt is not None:
             return answer_once(session, args.prompt, options, args.stop_at_repeat)

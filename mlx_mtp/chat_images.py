@@ -1,5 +1,5 @@
-"""The terminal chat once an image or a recording is in it (`/image PATH`, `--image PATH`, `/audio
-PATH`, `--audio PATH`).
+"""The terminal chat once an image, a recording or a video is in it (`/image PATH`, `--image PATH`,
+`/audio PATH`, `--audio PATH`, `/video PATH`, `--video PATH`).
 
 An engine conversation takes text turns; a chat with media sends, each turn, one request with the
 whole conversation as messages (each image or clip a part of the message it came with). The prefix
@@ -80,10 +80,15 @@ def check_image(path: str) -> str:
 def check_media(loaded, path: str, kind: str) -> dict:
     """The message part of the image or audio file at `path`, if the model takes it and the file
     reads (ImageError or AudioError saying why not)."""
+    if kind in ("image", "video") and loaded.vision is None:
+        raise ImageError(f"this model takes no {kind}s (its checkpoint has no vision tower)")
     if kind == "image":
-        if loaded.vision is None:
-            raise ImageError("this model takes no images (its checkpoint has no vision tower)")
         return {"type": "image", "image": check_image(path)}
+    if kind == "video":
+        from .formats.video import load_video
+
+        load_video(path)  # (VideoError now, not with the message)
+        return {"type": "video", "video": path}
     from .formats.audio import AudioError, load_audio
 
     if loaded.audio is None:

@@ -190,11 +190,22 @@ def make_unified_chat_model(dest: Path) -> Path:
     budget of 70 soft tokens (the fixture's position table takes 16 patches a side)."""
     shutil.copytree(UNIFIED / "target", dest)
     config = json.loads((dest / "config.json").read_text())
-    ids = {"image_token_id": 121, "boi_token_id": 120, "eoi_token_id": 122, **AUDIO_SPECIALS}
+    ids = {"image_token_id": 121, "boi_token_id": 120, "eoi_token_id": 122, "video_token_id": 126, **AUDIO_SPECIALS}
     ids["eoa_token_index"] = ids["eoa_token_id"]
     (dest / "config.json").write_text(json.dumps({**config, **ids}))
     write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), all_controls_vocab())
     gen = json.loads((dest / "generation_config.json").read_text())
     (dest / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": GEMMA4_EOS}))
     (dest / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": 70}}))
+    return dest
+
+
+def make_video_chat_model(dest: Path, variant: str = "bidir") -> Path:
+    """A vision fixture as a chat model (`make_vision_chat_model`) whose tokenizer has `<|video|>` too
+    (`all_controls_vocab`: the image tokens at the same ids), with the config's video token there."""
+    make_vision_chat_model(dest, variant)
+    write_gemma4_tokenizer(dest, GEMMA4_TEMPLATE.read_text(), all_controls_vocab())
+    config = json.loads((dest / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 8192  # 32 frames of 70 soft tokens
+    (dest / "config.json").write_text(json.dumps({**config, "video_token_id": MEDIA_SPECIALS["<|video|>"]}))
     return dest

@@ -187,7 +187,7 @@ def test_openai_says_which_parts_a_message_takes():
 
     audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     file = {"type": "file", "file": {"file_id": "f"}}
-    for role, part, parts in (("user", file, "text, image_url and input_audio parts"),
+    for role, part, parts in (("user", file, "text, image_url, input_audio and video_url parts"),
                               ("assistant", audio, "text parts")):
         with pytest.raises(APIError) as e:
             protocol.parse_chat({"messages": [{"role": role, "content": [part]}]}, ServedModel("m", 64, 128))

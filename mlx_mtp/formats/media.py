@@ -1,14 +1,20 @@
-"""A request's media in its prompt: the image and audio parts of chat messages, in the order the
-template renders them, each placeholder expanded into its soft tokens, all placed in one pass.
+"""A request's media in its prompt: the image, audio and video parts of chat messages, in the order
+the template renders them, each placeholder expanded into its soft tokens, all placed in one pass.
 
 Message parts are as transformers' chat templates take them: images as `formats.vision` says;
 audio as `{"type": "audio", "audio": <path, bytes, data URL or samples>}` (`"url"` / `"path"` too;
-samples are 16 kHz mono unless the part says `"sampling_rate"`). The template renders each as one
-`<|image|>` / `<|audio|>`; an image becomes `<|image>` + N x `<|image|>` + `<image|>` and a clip
-`<|audio>` + N x `<|audio|>` + `<audio|>`, as `Gemma4Processor` expands them. E2B/E4B audio longer
-than 30 s becomes one such block per piece (`audio.segments`: never cut short); the 12B's raw frames
-take any length. An image's soft tokens see each other on the 26B/31B's sliding layers; audio's stay
-causal (transformers' token types: blocks are runs of image and video tokens only).
+samples are 16 kHz mono unless the part says `"sampling_rate"`); video as `{"type": "video", "video":
+<path, bytes or data URL>}` (or vLLM's `{"type": "video_url", "video_url": {"url": ...}}`). The
+template renders each as one `<|image|>` / `<|audio|>` / `<|video|>`; an image becomes `<|image>` +
+N x `<|image|>` + `<image|>`, a clip `<|audio>` + N x `<|audio|>` + `<audio|>`, and a video, for each
+of its sampled frames (`formats.video`), `mm:ss <|image>` + N x `<|video|>` + `<image|>`, the frames
+joined by spaces, as `Gemma4Processor` expands them; each frame goes through the model's image path
+at 70 soft tokens. E2B/E4B audio longer than 30 s becomes one block per piece (`audio.segments`:
+never cut short); the 12B's raw frames take any length. An image's (and a frame's) soft tokens see
+each other on the sliding layers of the 26B, 31B and 12B; audio's stay causal (transformers' token
+types: blocks are runs of image and video tokens only). A frame's timestamp is tokenized as text on
+its own (transformers tokenizes it with the text around it: the same ids wherever that text ends
+with a control token or a character no token joins across, as Gemma's digits are).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from .images import ImageError
 from .vision import ImagePart
 
 AUDIO_PART_TYPES = ("audio",)
+VIDEO_PART_TYPES = ("video", "video_url")
+FRAME_BUDGET = 70  # a video frame's soft tokens (transformers' video processors' default)
 
 
 class AudioPart(NamedTuple):
@@ -32,6 +40,12 @@ class AudioPart(NamedTuple):
 
     source: Any
     sampling_rate: Optional[int] = None
+
+
+class VideoPart(NamedTuple):
+    """A video of a message: its source (a path, bytes or a data URL)."""
+
+    source: Any
 
 
 class AudioEncoder:
@@ -102,6 +116,8 @@ def message_media(messages: Optional[Sequence[Mapping]]) -> tuple[list, Optional
                 sources.append(ImagePart(vision.image_source(p), vision.part_budget(p)))
             elif kind == "audio":
                 sources.append(AudioPart(_audio_source(p), p.get("sampling_rate")))
+            elif kind == "video":
+                sources.append(VideoPart(_video_source(p)))
             parts.append({"type": kind} if kind else p)
         out.append({**m, "content": parts})
     return sources, (out if sources else None)
@@ -112,7 +128,7 @@ def place(loaded, tokens: Sequence[int], sources: Sequence) -> tuple[list, Any]:
     tokens (`gemma4_vision.PromptImages`, computed and evaluated here) placed in them."""
     from ..models.gemma4_vision import PromptImages
 
-    blocks = _blocks(loaded, sources)  # per source: [(open, soft tokens, close, digest, causal)]
+    blocks = _blocks(loaded, sources)  # per source: [(text before, open, soft tokens, close, digest, causal)]
     queues = {token: [b for s, b in zip(sources, blocks) if _token(loaded, s) == token] for token in
               {_token(loaded, s) for s in sources}}
     ids, starts, feats, digests, causal = [], [], [], [], []
@@ -122,8 +138,8 @@ def place(loaded, tokens: Sequence[int], sources: Sequence) -> tuple[list, Any]:
             continue
         if not queues[t]:
             raise ValueError(f"the prompt has more placeholders of token {t} than the media given")
-        for open_, soft, close, digest, is_causal in queues[t].pop(0):
-            ids.append(open_)
+        for before, open_, soft, close, digest, is_causal in queues[t].pop(0):
+            ids += before + [open_]
             if soft.shape[0]:
                 starts.append(len(ids))
                 feats.append(soft)
@@ -144,6 +160,10 @@ def count(loaded, sources: Sequence) -> int:
         if isinstance(s, AudioPart):
             clips = _audio(loaded).clips(s)
             n += sum(_audio(loaded).count(c) + 2 for c in clips) - 1
+        elif isinstance(s, VideoPart):
+            clip, enc = _video(s), _images(loaded)
+            n += sum(len(_frame_text(loaded, i, t)) + enc.process(f, FRAME_BUDGET).tokens + 2
+                     for i, (t, f) in enumerate(zip(clip.timestamps, clip.images()))) - 1
         else:
             n += _images(loaded).process(s).tokens + 1  # <|image|> becomes boi, N, eoi
     return n
@@ -154,16 +174,41 @@ def _blocks(loaded, sources: Sequence) -> list[list[tuple]]:
     for s in sources:
         if isinstance(s, AudioPart):
             enc = _audio(loaded)
-            out.append([(enc.boa, enc.soft_tokens(c), enc.eoa, _digest(c), True) for c in enc.clips(s)])
+            out.append([([], enc.boa, enc.soft_tokens(c), enc.eoa, _digest(c), True) for c in enc.clips(s)])
+        elif isinstance(s, VideoPart):
+            enc, clip, frames = _images(loaded), _video(s), []
+            for i, (stamp, image) in enumerate(zip(clip.timestamps, clip.images())):
+                patches = enc.process(image, FRAME_BUDGET)
+                frames.append((_frame_text(loaded, i, stamp), enc.boi, enc.soft_tokens(patches), enc.eoi,
+                               patches.digest, False))
+            out.append(frames)
         else:
             enc = _images(loaded)
             patches = enc.process(s)
-            out.append([(enc.boi, enc.soft_tokens(patches), enc.eoi, patches.digest, False)])
+            out.append([([], enc.boi, enc.soft_tokens(patches), enc.eoi, patches.digest, False)])
     return out
 
 
 def _token(loaded, source) -> int:
-    return _audio(loaded).audio_token if isinstance(source, AudioPart) else _images(loaded).image_token
+    if isinstance(source, AudioPart):
+        return _audio(loaded).audio_token
+    if isinstance(source, VideoPart):
+        return int(_images(loaded).config.get("video_token_id", 258884))
+    return _images(loaded).image_token
+
+
+def _video(part: VideoPart):
+    from . import video
+
+    return video.load_video(part.source)
+
+
+def _frame_text(loaded, i: int, stamp: str) -> list[int]:
+    """The ids of the text before a frame's `<|image>`: its timestamp (after the space that joins it
+    to the frame before)."""
+    from .chat import tokenizer_markup
+
+    return tokenizer_markup(loaded.tokenizer).text_ids((" " if i else "") + stamp + " ")
 
 
 def _images(loaded) -> vision.VisionEncoder:
@@ -190,6 +235,8 @@ def _kind(part) -> Optional[str]:
         return None
     if part.get("type") in vision.IMAGE_PART_TYPES:
         return "image"
+    if part.get("type") in VIDEO_PART_TYPES:
+        return "video"
     return "audio" if part.get("type") in AUDIO_PART_TYPES else None
 
 
@@ -198,3 +245,17 @@ def _audio_source(part: Mapping) -> Any:
         if part.get(key) is not None:
             return part[key]
     raise AudioError('an audio part is {"type": "audio", "audio": <path, bytes, data URL or samples>}')
+
+
+def _video_source(part: Mapping) -> Any:
+    if part.get("type") == "video_url":
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, Mapping) else url
+        if isinstance(url, str):
+            return url
+    for key in ("video", "url", "path"):
+        if part.get(key) is not None:
+            return part[key]
+    from .video import VideoError
+
+    raise VideoError('a video part is {"type": "video", "video": <path, bytes or data URL>}')

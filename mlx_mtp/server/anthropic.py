@@ -230,9 +230,9 @@ def _block_text(block: dict, where: str) -> str:
         return block["text"]
     if kind in ("image", "document", "search_result"):
         raise unsupported(where, f"{where}: {kind} blocks are not supported by this server (text only)")
-    if kind in ("audio", "input_audio"):  # Anthropic's API has no audio block: say so, not "expected text"
-        raise invalid(where, f"{where}: Anthropic's Messages API takes no audio; send audio through the OpenAI "
-                             "API (`input_audio` parts of /v1/chat/completions)")
+    if kind in ("audio", "input_audio", "video", "video_url"):  # Anthropic's API has neither: say so
+        raise invalid(where, f"{where}: Anthropic's Messages API takes no audio or video; send them through the "
+                             "OpenAI API (`input_audio` and `video_url` parts of /v1/chat/completions)")
     raise invalid(where, f"{where}: expected a text block, got type {kind!r}")
 
 

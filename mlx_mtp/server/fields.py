@@ -38,7 +38,8 @@ OPENAI_MESSAGE = {
 }
 OPENAI_PART = {"text": {"type", "text", "prompt_cache_breakpoint"},
                "image_url": {"type", "image_url", "prompt_cache_breakpoint"},
-               "input_audio": {"type", "input_audio"}, "file": {"type", "file"}}
+               "input_audio": {"type", "input_audio"}, "file": {"type", "file"},
+               "video_url": {"type", "video_url"}}  # vLLM's (OpenAI's API has no video part)
 OPENAI_CALL = {"id", "type", "function", "index"}  # `index`: clients that send a stream's calls back as they came
 OPENAI_FUNCTION = {"name", "arguments"}
 OPENAI_TOOL = {"type", "function"}

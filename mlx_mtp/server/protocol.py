@@ -35,7 +35,7 @@ from .fields import (HISTORY_EXTENSIONS, OPENAI_CALL, OPENAI_CHAT, OPENAI_COMPLE
 
 __all__ = ["APIError", "OpenAIJob", "ServedModel", "check_model", "invalid", "parse_chat", "parse_completion",
            "response", "stream"]
-MEDIA_PARTS = ("image_url", "input_audio")  # content parts beside text in user and system messages
+MEDIA_PARTS = ("image_url", "input_audio", "video_url")  # content parts beside text in user and system messages
 AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
 
 # OpenAI's newer "developer" role is the system message of older models.
@@ -268,7 +268,7 @@ def _content(content: Any, i: int, optional: bool = False, images: bool = False)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    parts = "text, image_url and input_audio parts" if images else "text parts"
+    parts = "text, image_url, input_audio and video_url parts" if images else "text parts"
     raise invalid(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of {parts}")
 
 
@@ -283,7 +283,7 @@ def _media_content(content: list, i: int) -> list:
     for j, p in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         if not isinstance(p, dict) or p.get("type") not in ("text", *MEDIA_PARTS):
-            raise invalid(where, f"{where} must be a text, an image_url or an input_audio part")
+            raise invalid(where, f"{where} must be a text, an image_url, an input_audio or a video_url part")
         if p["type"] == "text":
             if not isinstance(p.get("text"), str):
                 raise invalid(where, f"{where}.text must be a string")
@@ -291,6 +291,9 @@ def _media_content(content: list, i: int) -> list:
             continue
         if p["type"] == "input_audio":
             parts.append(_input_audio(p, where))
+            continue
+        if p["type"] == "video_url":
+            parts.append(_video_url(p, where))
             continue
         url = p.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
@@ -319,6 +322,17 @@ def _input_audio(part: dict, where: str) -> dict:
     except (binascii.Error, ValueError):
         raise invalid(f"{where}.input_audio.data", f"{where}.input_audio.data is not valid base64") from None
     return {"type": "audio", "audio": data}
+
+
+def _video_url(part: dict, where: str) -> dict:
+    """vLLM's `{"type": "video_url", "video_url": {"url": "data:video/...;base64,..."}}` (OpenAI's API has
+    no video part): a data URL only, never fetched."""
+    url = part.get("video_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:video/"):
+        raise invalid(where, f'{where} must be {{"type": "video_url", "video_url": {{"url": '
+                             f'"data:video/<type>;base64,..."}}}}')
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 def _history_calls(message: dict, i: int, names: dict) -> dict:

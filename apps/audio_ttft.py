@@ -1,0 +1,135 @@
+"""Time to first token with 10 s of audio (issue 50), and the audio encoders alone at real shapes.
+
+    python -m apps.audio_ttft [--shapes tiny,e4b,12b] [--seconds 10] [--repeats 3] [--warmup 1]
+
+`tiny`: the tests' tiny E2B-shaped chat checkpoint with an audio tower (tests/chat_helpers.py
+`make_audio_chat_model`: the tiny E2B target, a conformer of tests/fixtures/audio_tower's shape,
+random weights) and its MTP drafter: from `Engine.submit` of a chat request holding the clip to its
+first token, a new clip each time (prefix cache off): decoding, log-mel, encoding, prefill and the
+first token; and the same request without the clip, for comparison.
+`e4b`: the released E2B/E4B audio tower's shape (12 conformer layers at width 1024, 305M parameters,
+projected to E4B's text width 2560), random weights in float32: log-mel and the encoder
+(`Audio.soft_tokens`, evaluated) of one clip; the language model's prefill of its 250 soft tokens
+comes on top. `12b`: the 12B's audio embedder (640-sample frames, projected to 3840): framing and
+the embedder. Needs a checkout of the repository (tests/). Prints one line per shape: the median over
+`--repeats` runs and each run, after `--warmup` untimed ones. mlx-vlm is not run: it has no
+checkpoint of these shapes to load, and no random-weight audio path to time on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ROOT / "tests" / "fixtures" / "real_configs"
+
+
+def tone(seconds: float, hz: float) -> np.ndarray:
+    t = np.arange(int(seconds * 16000)) / 16000
+    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)).astype(np.float32)
+
+
+def _ms(times: list) -> str:
+    return f"{1e3 * statistics.median(times):.0f} ms (runs: {', '.join(f'{1e3 * t:.0f}' for t in times)})"
+
+
+def tiny_ttft(seconds: float, repeats: int, warmup: int) -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from chat_helpers import TINY, make_audio_chat_model
+
+    from mlx_mtp import Engine, Request, load
+
+    loaded = load(make_audio_chat_model(Path(tempfile.mkdtemp()) / "model"), TINY.parent / "e2b" / "drafter",
+                  load_audio=True)
+    times, tokens = {"audio": [], "text": []}, {}
+    with Engine(loaded, prompt_cache_bytes=0) as engine:
+        for i in range(warmup + repeats):
+            for kind in ("audio", "text"):
+                parts = [{"type": "audio", "audio": tone(seconds, 200 + 37 * i)}] * (kind == "audio")
+                message = {"role": "user", "content": [*parts, {"type": "text", "text": "What do you hear?"}]}
+                start = time.perf_counter()
+                handle = engine.submit(Request(messages=[message], max_tokens=1))
+                next(iter(handle))
+                if i >= warmup:
+                    times[kind].append(time.perf_counter() - start)
+                handle.result()
+                tokens[kind] = handle.prompt_tokens
+    return (f"tiny (E2B-shaped, random weights): TTFT with {seconds:g} s of audio ({tokens['audio'] - tokens['text']} "
+            f"audio tokens, {tokens['audio']} in all) {_ms(times['audio'])}; the same request without it "
+            f"({tokens['text']} prompt tokens) {_ms(times['text'])}")
+
+
+def e4b_encoder(seconds: float, repeats: int, warmup: int) -> str:
+    import json
+
+    import mlx.core as mx
+
+    from mlx_mtp.formats import audio as audio_io
+    from mlx_mtp.models.gemma4_audio import Audio
+
+    config = json.loads((REAL / "google--gemma-4-E4B-it" / "config.json").read_text())
+    audio = Audio.from_config(config)  # random weights, float32
+    mx.eval(audio.parameters())
+    times = []
+    for i in range(warmup + repeats):
+        clip = tone(seconds, 200 + 37 * i)
+        start = time.perf_counter()
+        features, mask = audio_io.log_mel(clip)
+        soft = audio.soft_tokens(mx.array(features[None]), mx.array(mask[None]))[0]
+        mx.eval(soft)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return (f"e4b audio tower (305M parameters, random weights, float32): log-mel and encoder of {seconds:g} s "
+            f"({soft.shape[0]} soft tokens of width {soft.shape[1]}) {_ms(times)}")
+
+
+def unified_embedder(seconds: float, repeats: int, warmup: int) -> str:
+    import json
+
+    import mlx.core as mx
+
+    from mlx_mtp.formats import audio as audio_io
+    from mlx_mtp.models.gemma4_unified import Embedders
+
+    config = json.loads((REAL / "google--gemma-4-12B-it" / "config.json").read_text())
+    embedders = Embedders.from_config(config)
+    mx.eval(embedders.parameters())
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        frames, n = audio_io.unified_frames(tone(seconds, 200 + 37 * i))
+        soft = embedders.audio(frames)
+        mx.eval(soft)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return f"12b audio embedder (random weights, float32): framing and embedder of {seconds:g} s ({n} soft tokens) {_ms(times)}"
+
+
+SHAPES = {"tiny": tiny_ttft, "e4b": e4b_encoder, "12b": unified_embedder}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m apps.audio_ttft", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--shapes", default="tiny,e4b,12b", help="which of tiny, e4b, 12b (comma list)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="the clip's length")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is printed)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    args = ap.parse_args(argv)
+    import mlx.core as mx
+
+    print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
+    for shape in args.shapes.split(","):
+        print(SHAPES[shape](args.seconds, args.repeats, args.warmup), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
