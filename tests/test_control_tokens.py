@@ -13,7 +13,6 @@ from chat_helpers import DRAFTER, all_controls_vocab, make_all_controls_model, m
 from starlette.testclient import TestClient
 
 from mlx_mtp.engine.prepare import Preparer
-from mlx_mtp.formats import chat as chat_format
 from mlx_mtp.server.app import Settings, create_app, served_model
 
 VOCAB = all_controls_vocab()

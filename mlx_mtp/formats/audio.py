@@ -23,13 +23,13 @@ before it is decoded.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import re
 from pathlib import Path
 
 import numpy as np
+
+from . import dataurl
 
 SAMPLE_RATE = 16_000
 MAX_SECONDS = 600  # longer audio is refused before it is decoded
@@ -276,13 +276,6 @@ def _truncated(log: str, declared: int, read: int) -> bool:
 
 def decode_data_url(url: str) -> bytes:
     """The bytes of a `data:audio/<type>;base64,<data>` URL (AudioError for any other form)."""
-    head, _, data = url.partition(",")
-    if not head.startswith("data:") or not head.endswith(";base64") or not data:
-        raise AudioError("an audio data URL must be data:<media type>;base64,<data>")
-    media = head.removeprefix("data:").split(";")[0].strip().lower()
-    if not media.startswith("audio/") or media == "audio/":
-        raise AudioError(f"an audio data URL's media type must be audio/..., not {media or 'none'}")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise AudioError("the audio data URL is not valid base64") from None
+    return dataurl.decode(url, "audio", AudioError)
+
+

@@ -9,8 +9,6 @@ runs an image alone, so transformers' padding rows would only be dropped again.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import hashlib
 import io
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
+
+from . import dataurl
 
 BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens an image may take (`max_soft_tokens`)
 DEFAULT_BUDGET = 280
@@ -92,24 +92,16 @@ def open_image(source: ImageSource):
 
 def decode_data_url(url: str) -> bytes:
     """The bytes of a `data:image/<type>;base64,<data>` URL (ImageError for any other form)."""
-    head, _, data = url.partition(",")
-    if not head.startswith("data:") or not head.endswith(";base64") or not data:
-        raise ImageError("an image data URL must be data:<media type>;base64,<data>")
-    if not is_image_type(media_type(url)):
-        raise ImageError(f"an image data URL's media type must be image/..., not {media_type(url) or 'none'}")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("the image data URL is not valid base64") from None
+    return dataurl.decode(url, "image", ImageError)
 
 
 def media_type(url: str) -> str:
     """The media type a `data:` URL declares ('' for none), lower-cased: `image/png`."""
-    return url.partition(",")[0].removeprefix("data:").split(";")[0].strip().lower()
+    return dataurl.media_type(url)
 
 
 def is_image_type(media: str) -> bool:
-    return media.startswith("image/") and len(media) > len("image/")
+    return dataurl.is_type(media, "image")
 
 
 MAX_FETCH_BYTES = 32 << 20
@@ -162,9 +154,11 @@ def soft_tokens(height: int, width: int, budget: int = DEFAULT_BUDGET, patch: in
     return (h // (patch * pool)) * (w // (patch * pool))
 
 
-def process(source: ImageSource, budget: int = DEFAULT_BUDGET, patch: int = PATCH, pool: int = POOL) -> Patches:
+def process(source: ImageSource, budget: int = DEFAULT_BUDGET, patch: int = PATCH, pool: int = POOL,
+            rescale: np.ndarray = _RESCALE) -> Patches:
     """Open (see `open_image`), resize and patchify one image for the encoder (`patch`, `pool`: its
-    config's `patch_size` and `pooling_kernel_size`; Gemma 4's are 16 and 3)."""
+    config's `patch_size` and `pooling_kernel_size`; Gemma 4's are 16 and 3; `rescale`: each uint8
+    code's float32 value, as the checkpoint's processor computes it)."""
     from PIL import Image
 
     image = _rgb(open_image(source))
@@ -177,7 +171,7 @@ def process(source: ImageSource, budget: int = DEFAULT_BUDGET, patch: int = PATC
     gx, gy = np.meshgrid(np.arange(wp), np.arange(hp), indexing="xy")
     positions = np.stack([gx, gy], axis=-1).reshape(-1, 2).astype(np.int32)
     digest = hashlib.sha256(codes.tobytes() + f"|{w}x{h}|{budget}|{patch}".encode()).hexdigest()
-    return Patches(_RESCALE[patches], positions, hp * wp // pool**2, digest)
+    return Patches(rescale[patches], positions, hp * wp // pool**2, digest)
 
 
 def _rgb(image):

@@ -46,8 +46,6 @@ Where mlx_mtp differs from transformers:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import io
 import math
@@ -56,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import dataurl
 
 NUM_FRAMES = 32  # frames sampled from a clip (the processors' num_frames)
 FRAME_BUDGET = 70  # soft tokens a frame may take (the processors' max_soft_tokens)
@@ -169,16 +169,7 @@ def prompt_text(timestamps: Sequence[str], tokens: int) -> str:
 
 def decode_data_url(url: str) -> bytes:
     """The bytes of a `data:video/<type>;base64,<data>` URL (VideoError for any other form)."""
-    head, _, data = url.partition(",")
-    if not head.startswith("data:") or not head.endswith(";base64") or not data:
-        raise VideoError("a video data URL must be data:<media type>;base64,<data>")
-    media = head.removeprefix("data:").split(";")[0].strip().lower()
-    if not media.startswith("video/") or media == "video/":
-        raise VideoError(f"a video data URL's media type must be video/..., not {media or 'none'}")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise VideoError("the video data URL is not valid base64") from None
+    return dataurl.decode(url, "video", VideoError)
 
 
 def _pyav():

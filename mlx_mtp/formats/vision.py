@@ -19,6 +19,7 @@ import json
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from . import images as image_io
 from .images import ImageError
@@ -68,9 +69,13 @@ class VisionEncoder:
         if self.fetch_urls and isinstance(source, str) and source.startswith(("http://", "https://")):
             source = image_io.fetch(source)
         # The 12B reads raw 48-pixel patches (16-pixel patches merged 3 x 3): one a soft token.
-        patch, pool = (UNIFIED_PATCH, 1) if self.unified else (self.vision_config.patch_size,
-                                                               self.vision_config.pooling_kernel_size)
-        return image_io.process(source, budget or self.budget, patch=patch, pool=pool)
+        if self.unified:  # its processor rescales as x * fp32(1/255), in float32
+            from ..models.gemma4_unified import RESCALE
+
+            table = np.arange(256, dtype=np.float32) * RESCALE
+            return image_io.process(source, budget or self.budget, patch=UNIFIED_PATCH, pool=1, rescale=table)
+        cfg = self.vision_config
+        return image_io.process(source, budget or self.budget, patch=cfg.patch_size, pool=cfg.pooling_kernel_size)
 
     def soft_tokens(self, patches: image_io.Patches) -> mx.array:
         """(patches.tokens, text hidden) soft tokens of one processed image."""

@@ -359,3 +359,19 @@ def _rms_norm(x: mx.array, eps: float) -> mx.array:
 @mx.compile
 def _rms_norm_weighted(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _rms_norm(x, eps) * weight
+
+
+def fill(module: nn.Module, weights: dict, config: dict, evaluate: bool = True) -> nn.Module:
+    """Load a tower's (sanitized) `weights` into `module`, strictly; layers whose `.scales` the
+    checkpoint has are built quantized first, with its quantization record's group size, bits and
+    mode (mlx-community quantizes the embedders). `evaluate=False` keeps them lazy (the converter
+    writes one shard at a time)."""
+    record = config.get("quantization") or {}
+    if any(k.endswith(".scales") for k in weights):
+        nn.quantize(module, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
+                    mode=record.get("mode", "affine"), class_predicate=lambda p, m: f"{p}.scales" in weights)
+    module.load_weights(list(weights.items()), strict=True)
+    if evaluate:
+        mx.eval(module.parameters())
+    module.eval()
+    return module

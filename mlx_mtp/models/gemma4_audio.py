@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .base import BaseConfig, ConfigError
+from .base import BaseConfig, ConfigError, fill
 from .gemma4_vision import ClippableLinear, MultimodalEmbedder, RMSNorm
 
 # transformers builds these RMSNorms with its default eps, not the config's `rms_norm_eps`
@@ -330,12 +330,4 @@ def audio_from_weights(config: dict[str, Any], weights: dict[str, mx.array],
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                    for k, v in weights.items()}
-    record = config.get("quantization") or {}
-    if any(k.endswith(".scales") for k in weights):
-        nn.quantize(audio, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
-                    mode=record.get("mode", "affine"), class_predicate=lambda p, m: f"{p}.scales" in weights)
-    audio.load_weights(list(weights.items()), strict=True)
-    if evaluate:
-        mx.eval(audio.parameters())
-    audio.eval()
-    return audio
+    return fill(audio, weights, config, evaluate)

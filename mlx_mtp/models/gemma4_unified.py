@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import gemma4
-from .base import BaseConfig, ConfigError, rms_norm
+from .base import BaseConfig, ConfigError, fill, rms_norm
 from .quantized import Linear
 
 # The text model and the checkpoint layout API (loading, convert) are gemma4's.
@@ -200,16 +200,7 @@ def embedders_from_weights(config: dict[str, Any], weights: dict[str, mx.array],
     tensors (others ignored). Layers whose `.scales` the checkpoint has are quantized, with the
     record's bits and group size."""
     embedders = Embedders.from_config(config)
-    weights = embedders.sanitize(weights)
-    record = config.get("quantization") or {}
-    if any(k.endswith(".scales") for k in weights):
-        nn.quantize(embedders, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
-                    mode=record.get("mode", "affine"), class_predicate=lambda p, m: f"{p}.scales" in weights)
-    embedders.load_weights(list(weights.items()), strict=True)
-    if evaluate:
-        mx.eval(embedders.parameters())
-    embedders.eval()
-    return embedders
+    return fill(embedders, embedders.sanitize(weights), config, evaluate)
 
 
 # ---- pixels in ---------------------------------------------------------------------------------

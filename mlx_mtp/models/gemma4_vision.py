@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .base import BaseConfig, ConfigError, gelu_tanh_glu, rms_norm
+from .base import BaseConfig, ConfigError, fill, gelu_tanh_glu, rms_norm
 from .gemma4 import attention
 
 
@@ -278,16 +278,7 @@ def vision_from_weights(config: dict[str, Any], weights: dict[str, mx.array], ev
     tensors are ignored). `embed_vision` may be quantized (mlx-community's 4-bit checkpoints): its
     `.scales` say so, with the record's group size and bits."""
     vision = Vision.from_config(config)
-    weights = vision.sanitize(weights)
-    record = config.get("quantization") or {}
-    if any(k.endswith(".scales") for k in weights):  # quantized layers: where the checkpoint has scales
-        nn.quantize(vision, group_size=record.get("group_size", 64), bits=record.get("bits", 4),
-                    mode=record.get("mode", "affine"), class_predicate=lambda p, m: f"{p}.scales" in weights)
-    vision.load_weights(list(weights.items()), strict=True)
-    if evaluate:  # (the converter keeps them lazy: it writes one shard at a time)
-        mx.eval(vision.parameters())
-    vision.eval()
-    return vision
+    return fill(vision, vision.sanitize(weights), config, evaluate)
 
 
 class ImageRows(NamedTuple):

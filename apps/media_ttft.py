@@ -1,6 +1,8 @@
-"""Time to first token with 10 s of audio (issue 50), and the audio encoders alone at real shapes.
+"""Time to first token with 10 s of audio or a 16-frame video (issue 50), and the encoders alone at
+real shapes.
 
-    python -m apps.audio_ttft [--shapes tiny,e4b,12b] [--seconds 10] [--repeats 3] [--warmup 1]
+    python -m apps.media_ttft [--shapes tiny,e4b,12b,video-tiny,video-e4b] [--seconds 10] [--frames 16]
+                              [--repeats 3] [--warmup 1]
 
 `tiny`: the tests' tiny E2B-shaped chat checkpoint with an audio tower (tests/chat_helpers.py
 `make_audio_chat_model`: the tiny E2B target, a conformer of tests/fixtures/audio_tower's shape,
@@ -11,9 +13,14 @@ first token; and the same request without the clip, for comparison.
 projected to E4B's text width 2560), random weights in float32: log-mel and the encoder
 (`Audio.soft_tokens`, evaluated) of one clip; the language model's prefill of its 250 soft tokens
 comes on top. `12b`: the 12B's audio embedder (640-sample frames, projected to 3840): framing and
-the embedder. Needs a checkout of the repository (tests/). Prints one line per shape: the median over
-`--repeats` runs and each run, after `--warmup` untimed ones. mlx-vlm is not run: it has no
-checkpoint of these shapes to load, and no random-weight audio path to time on its own.
+the embedder. `video-tiny`: the tests' tiny vision chat checkpoint (tests/fixtures/vision/bidir,
+26B/31B-like, with `<|video|>`): TTFT of a chat request holding a video of `--frames` frames (an
+H.264 clip written with PyAV; under 32 frames every one is sampled): decoding, sampling, each frame
+through the image path at 70 soft tokens at most, prefill, the first token. `video-e4b`: the E2B/E4B vision tower's shape (16 layers at width 768,
+random weights, float32) on `--frames` frames of 70 soft tokens: processing and the encoder.
+Needs a checkout of the repository (tests/). Prints one line per shape: the median over `--repeats`
+runs and each run, after `--warmup` untimed ones. mlx-vlm is not run: it has no checkpoint of these
+shapes to load, and no random-weight audio or video path to time on its own.
 """
 
 from __future__ import annotations
@@ -112,14 +119,83 @@ def unified_embedder(seconds: float, repeats: int, warmup: int) -> str:
     return f"12b audio embedder (random weights, float32): framing and embedder of {seconds:g} s ({n} soft tokens) {_ms(times)}"
 
 
-SHAPES = {"tiny": tiny_ttft, "e4b": e4b_encoder, "12b": unified_embedder}
+def video_tiny(frames: int, repeats: int, warmup: int) -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from chat_helpers import DRAFTER, make_video_chat_model
+
+    from mlx_mtp import Engine, Request, load
+    from mlx_mtp.formats import media
+
+    loaded = load(make_video_chat_model(Path(tempfile.mkdtemp()) / "model"), DRAFTER, load_vision=True)
+    clip = _clip(frames)
+    times, tokens = [], 0
+    with Engine(loaded, prompt_cache_bytes=0) as engine:
+        for i in range(warmup + repeats):
+            message = {"role": "user", "content": [{"type": "video", "video": clip},
+                                                   {"type": "text", "text": f"What happens ({i})?"}]}
+            start = time.perf_counter()
+            handle = engine.submit(Request(messages=[message], max_tokens=1))
+            next(iter(handle))
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+            handle.result()
+            tokens = handle.prompt_tokens
+    return (f"video-tiny (26B/31B-like vision, random weights): TTFT with a video of {frames} frames of "
+            f"{media.FRAME_BUDGET} soft tokens at most ({tokens} prompt tokens) {_ms(times)}")
+
+
+def _clip(frames: int, width: int = 96, height: int = 64) -> bytes:
+    """An H.264 MP4 of `frames` frames at 8 fps (fewer than 32: every frame is sampled), in memory."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("h264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        rng = np.random.default_rng(0)
+        for _ in range(frames):
+            image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def video_e4b(frames: int, repeats: int, warmup: int) -> str:
+    import mlx.core as mx
+
+    from apps.vision_ttft import SHAPES as VISION, _random, picture
+    from mlx_mtp.formats.images import process
+    from mlx_mtp.models.gemma4_vision import Vision, VisionConfig
+
+    params, text_hidden = VISION["e4b"]
+    model = Vision(VisionConfig(**params), text_hidden)
+    mx.random.seed(0)
+    model.update(_random(model.parameters()))
+    mx.eval(model.parameters())
+    times = []
+    for i in range(warmup + repeats):
+        shots = [picture(480, 336, seed=i * frames + f) for f in range(frames)]  # 70 soft tokens a frame
+        start = time.perf_counter()
+        soft = [model(p.pixels, p.positions) for p in (process(s, 70) for s in shots)]
+        mx.eval(soft)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return (f"video-e4b vision tower ({params['num_hidden_layers']} x {params['hidden_size']}, random weights, "
+            f"float32): processing and encoder of {frames} frames of {soft[0].shape[0]} soft tokens {_ms(times)}")
+
+
+SHAPES = {"tiny": tiny_ttft, "e4b": e4b_encoder, "12b": unified_embedder, "video-tiny": video_tiny,
+          "video-e4b": video_e4b}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m apps.audio_ttft", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m apps.media_ttft", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--shapes", default="tiny,e4b,12b", help="which of tiny, e4b, 12b (comma list)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="the clip's length")
+    ap.add_argument("--shapes", default="tiny,e4b,12b,video-tiny,video-e4b", help="which shapes (comma list)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="the audio clip's length")
+    ap.add_argument("--frames", type=int, default=16, help="the video's sampled frames")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is printed)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     args = ap.parse_args(argv)
@@ -127,7 +203,8 @@ def main(argv=None) -> int:
 
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
     for shape in args.shapes.split(","):
-        print(SHAPES[shape](args.seconds, args.repeats, args.warmup), flush=True)
+        size = args.frames if shape.startswith("video") else args.seconds
+        print(SHAPES[shape](size, args.repeats, args.warmup), flush=True)
     return 0
 
 
