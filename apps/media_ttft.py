@@ -2,7 +2,7 @@
 real shapes.
 
     python -m apps.media_ttft [--shapes tiny,e4b,12b,video-tiny,video-e4b] [--seconds 10] [--frames 16]
-                              [--repeats 3] [--warmup 1]
+                              [--repeats 3] [--warmup 1] [--peer mlx-vlm]
 
 `tiny`: the tests' tiny E2B-shaped chat checkpoint with an audio tower (tests/chat_helpers.py
 `make_audio_chat_model`: the tiny E2B target, a conformer of tests/fixtures/audio_tower's shape,
@@ -19,8 +19,12 @@ H.264 clip written with PyAV; under 32 frames every one is sampled): decoding, s
 through the image path at 70 soft tokens at most, prefill, the first token. `video-e4b`: the E2B/E4B vision tower's shape (16 layers at width 768,
 random weights, float32) on `--frames` frames of 70 soft tokens: processing and the encoder.
 Needs a checkout of the repository (tests/). Prints one line per shape: the median over `--repeats`
-runs and each run, after `--warmup` untimed ones. mlx-vlm is not run: it has no checkpoint of these
-shapes to load, and no random-weight audio or video path to time on its own.
+runs and each run, after `--warmup` untimed ones.
+`--peer mlx-vlm` (where `mlx_vlm` imports: its own venv, see apps/README.md) also times mlx-vlm on
+`tiny` and `video-tiny`: on a copy of the same checkpoint in the layout it loads (`peer_checkpoint`),
+`stream_generate` from the same clip (its own feature extractor / video decoder and processor; the
+video read at its 8 fps so that every frame is sampled, as ours does) to its first token, greedy; its
+line gives its prompt tokens beside ours and its first tokens.
 """
 
 from __future__ import annotations
@@ -47,15 +51,15 @@ def _ms(times: list) -> str:
     return f"{1e3 * statistics.median(times):.0f} ms (runs: {', '.join(f'{1e3 * t:.0f}' for t in times)})"
 
 
-def tiny_ttft(seconds: float, repeats: int, warmup: int) -> str:
+def tiny_ttft(seconds: float, repeats: int, warmup: int, peer: str | None = None) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     from chat_helpers import TINY, make_audio_chat_model
 
     from mlx_mtp import Engine, Request, load
 
-    loaded = load(make_audio_chat_model(Path(tempfile.mkdtemp()) / "model"), TINY.parent / "e2b" / "drafter",
-                  load_audio=True)
-    times, tokens = {"audio": [], "text": []}, {}
+    path = make_audio_chat_model(Path(tempfile.mkdtemp()) / "model")
+    loaded = load(path, TINY.parent / "e2b" / "drafter", load_audio=True)
+    times, tokens, first = {"audio": [], "text": []}, {}, []
     with Engine(loaded, prompt_cache_bytes=0) as engine:
         for i in range(warmup + repeats):
             for kind in ("audio", "text"):
@@ -63,14 +67,20 @@ def tiny_ttft(seconds: float, repeats: int, warmup: int) -> str:
                 message = {"role": "user", "content": [*parts, {"type": "text", "text": "What do you hear?"}]}
                 start = time.perf_counter()
                 handle = engine.submit(Request(messages=[message], max_tokens=1))
-                next(iter(handle))
+                token = next(iter(handle))
                 if i >= warmup:
                     times[kind].append(time.perf_counter() - start)
+                    first += [token.token] if kind == "audio" else []
                 handle.result()
                 tokens[kind] = handle.prompt_tokens
-    return (f"tiny (E2B-shaped, random weights): TTFT with {seconds:g} s of audio ({tokens['audio'] - tokens['text']} "
+    line = (f"tiny (E2B-shaped, random weights): TTFT with {seconds:g} s of audio ({tokens['audio'] - tokens['text']} "
             f"audio tokens, {tokens['audio']} in all) {_ms(times['audio'])}; the same request without it "
             f"({tokens['text']} prompt tokens) {_ms(times['text'])}")
+    if peer == "mlx-vlm":
+        clips = [tone(seconds, 200 + 37 * i) for i in range(warmup + repeats)]
+        line += f"; first tokens {first}\n" + peer_ttft("audio", path, clips, ["What do you hear?"] * len(clips),
+                                                        tokens["audio"], warmup, f"{seconds:g} s of audio")
+    return line
 
 
 def e4b_encoder(seconds: float, repeats: int, warmup: int) -> str:
@@ -119,29 +129,119 @@ def unified_embedder(seconds: float, repeats: int, warmup: int) -> str:
     return f"12b audio embedder (random weights, float32): framing and embedder of {seconds:g} s ({n} soft tokens) {_ms(times)}"
 
 
-def video_tiny(frames: int, repeats: int, warmup: int) -> str:
+def video_tiny(frames: int, repeats: int, warmup: int, peer: str | None = None) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     from chat_helpers import DRAFTER, make_video_chat_model
 
     from mlx_mtp import Engine, Request, load
     from mlx_mtp.formats import media
 
-    loaded = load(make_video_chat_model(Path(tempfile.mkdtemp()) / "model"), DRAFTER, load_vision=True)
+    path = make_video_chat_model(Path(tempfile.mkdtemp()) / "model")
+    loaded = load(path, DRAFTER, load_vision=True)
     clip = _clip(frames)
-    times, tokens = [], 0
+    times, tokens, first = [], 0, []
     with Engine(loaded, prompt_cache_bytes=0) as engine:
         for i in range(warmup + repeats):
             message = {"role": "user", "content": [{"type": "video", "video": clip},
                                                    {"type": "text", "text": f"What happens ({i})?"}]}
             start = time.perf_counter()
             handle = engine.submit(Request(messages=[message], max_tokens=1))
-            next(iter(handle))
+            token = next(iter(handle))
             if i >= warmup:
                 times.append(time.perf_counter() - start)
+                first.append(token.token)
             handle.result()
             tokens = handle.prompt_tokens
-    return (f"video-tiny (26B/31B-like vision, random weights): TTFT with a video of {frames} frames of "
+    line = (f"video-tiny (26B/31B-like vision, random weights): TTFT with a video of {frames} frames of "
             f"{media.FRAME_BUDGET} soft tokens at most ({tokens} prompt tokens) {_ms(times)}")
+    if peer == "mlx-vlm":
+        file = Path(tempfile.mkdtemp()) / "clip.mp4"
+        file.write_bytes(clip)
+        n = warmup + repeats
+        line += f"; first tokens {first}\n" + peer_ttft("video", path, [str(file)] * n,
+                                                        [f"What happens ({i})?" for i in range(n)], tokens, warmup,
+                                                        f"a video of {frames} frames", fps=8)
+    return line
+
+
+PEER_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+               "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+               "video_token": "<|video|>"}
+
+
+def peer_checkpoint(src: Path, dest: Path) -> Path:
+    """A copy of the chat checkpoint at `src` that mlx-vlm loads (strictly), under `dest`: the text
+    weights under `model.language_model.`, the released configs' full-layer keys (`global_head_dim`,
+    `num_global_key_value_heads`; not `per_layer_config`), the media tokens named in
+    `tokenizer_config.json`, a video processor of the vision tower's patch size at 70 soft tokens. mlx-vlm
+    builds a vision tower whatever the config says: an audio-only checkpoint gets the vision fixture's
+    (tests/fixtures/vision/bidir, whose text width is the same 64), unused by an audio request."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "tokenizer_config.json",
+                                                          "processor_config.json", "reference.npz"):
+            shutil.copy(f, dest / f.name)
+    tokenizer = json.loads((src / "tokenizer_config.json").read_text())
+    (dest / "tokenizer_config.json").write_text(json.dumps({**tokenizer, **PEER_TOKENS}, indent=1))
+    config = json.loads((src / "config.json").read_text())
+    text = config["text_config"]
+    for over in text.pop("per_layer_config", {}).values():
+        text["global_head_dim"] = over["head_dim"]
+        if "num_key_value_heads" in over:
+            text["num_global_key_value_heads"] = over["num_key_value_heads"]
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    media = ("model.language_model.", "model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+             "model.embed_audio.")
+    weights = {k if k.startswith(media) else "model.language_model." + k[len("model."):]: v
+               for k, v in weights.items()}
+    if "vision_config" not in config:
+        demo = ROOT / "tests" / "fixtures" / "vision" / "bidir"
+        config["vision_config"] = json.loads((demo / "config.json").read_text())["vision_config"]
+        config.update(image_token_id=121, boi_token_id=120, eoi_token_id=122)
+        weights.update({k: v for k, v in load_file(str(demo / "model.safetensors")).items()
+                        if k.startswith(("model.vision_tower.", "model.embed_vision."))})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    vision = config["vision_config"]
+    processor = {"max_soft_tokens": 70, "patch_size": vision["patch_size"],
+                 "pooling_kernel_size": vision["pooling_kernel_size"]}
+    (dest / "processor_config.json").write_text(json.dumps({"image_processor": processor,
+                                                            "video_processor": processor}))
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def peer_ttft(kind: str, path: Path, media: list, questions: list, ours: int, warmup: int, what: str,
+              **kwargs) -> str:
+    """mlx-vlm's time to first token on a copy of our checkpoint (`peer_checkpoint`): for each clip
+    (16 kHz samples, or a video file) and question, `stream_generate` to its first token, greedy; its
+    prompt tokens beside ours (`ours`)."""
+    try:
+        import mlx_vlm
+        from mlx_vlm import load as vlm_load
+        from mlx_vlm import stream_generate
+    except ImportError as e:
+        return f"mlx-vlm: not run ({e}; it goes in a separate venv: see apps/README.md)"
+    model, processor = vlm_load(str(peer_checkpoint(path, Path(tempfile.mkdtemp()))))
+    times, first = [], []
+    for i, (clip, question) in enumerate(zip(media, questions)):
+        message = {"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}
+        prompt = processor.tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+        start = time.perf_counter()
+        result = next(stream_generate(model, processor, prompt, max_tokens=1, temperature=0.0,
+                                      **{kind: [clip]}, **kwargs))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            first.append(result.token)
+    same = "the same as ours" if result.prompt_tokens == ours else f"ours: {ours}"
+    return (f"mlx-vlm {mlx_vlm.__version__} (same checkpoint): TTFT with {what} ({result.prompt_tokens} prompt "
+            f"tokens, {same}) {_ms(times)}; first tokens {first}")
 
 
 def _clip(frames: int, width: int = 96, height: int = 64) -> bytes:
@@ -198,13 +298,15 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=16, help="the video's sampled frames")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median is printed)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    ap.add_argument("--peer", choices=["mlx-vlm"], help="tiny and video-tiny also on this peer, where it imports")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
     for shape in args.shapes.split(","):
         size = args.frames if shape.startswith("video") else args.seconds
-        print(SHAPES[shape](size, args.repeats, args.warmup), flush=True)
+        peer = {"peer": args.peer} if args.peer and shape in ("tiny", "video-tiny") else {}
+        print(SHAPES[shape](size, args.repeats, args.warmup, **peer), flush=True)
     return 0
 
 
