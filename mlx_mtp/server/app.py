@@ -6,7 +6,7 @@ a blocking queue, so each request gets a reader thread that passes them to the e
 handle is cancelled, which frees its engine row within one round; a stop string ends it in the
 engine itself, which applies what a request means (`Request.stop`, `parallel_tool_calls`).
 
-Each API is a wire format of its own (`protocol` for OpenAI, `anthropic`): a parsed job, an
+Each API is a wire format of its own (`protocol` for OpenAI, `anthropic`, `ollama`): a parsed job, an
 `answer` and a `stream` of its reply's pieces (`pieces`: content, reasoning and tool calls as
 the engine streamed them, and `KEEPALIVE` while nothing comes), and its error shapes; the
 plumbing here is shared. A stream opens once its first event comes or `OPEN_AFTER` seconds pass, whichever is
@@ -33,7 +33,7 @@ from starlette.routing import Route
 from ..formats import chat as chat_format
 from ..formats.chat import Delta
 from ..engine.requests import ContextLengthError, QueueFull, RequestHandle
-from . import anthropic, protocol
+from . import anthropic, ollama, protocol
 from .common import KEEPALIVE, APIError, Outcome, ServedModel, invalid
 from .metrics import render as render_metrics
 
@@ -53,10 +53,12 @@ class Wire:
     answer: Callable[..., dict]  # (job, parts, outcome) -> the reply
     stream: Callable[..., AsyncIterator[str]]  # (job, parts, outcome) -> its server-sent events
     context_error: Callable[..., APIError]  # (ContextLengthError, job) -> the 400 in the API's words
+    media_type: str = "text/event-stream"  # the stream's (Ollama's: NDJSON)
 
 
 OPENAI = Wire(protocol.response, protocol.stream, protocol.context_error)
 ANTHROPIC = Wire(anthropic.answer, anthropic.stream, anthropic.context_error)
+OLLAMA = Wire(ollama.answer, ollama.stream, ollama.context_error, "application/x-ndjson")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,16 @@ def create_app(engine, settings: Settings) -> Starlette:
         Route("/v1/drafter", put_drafter, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        # Ollama's native API (`ollama`)
+        Route("/", ollama_root, methods=["GET", "HEAD"]),
+        Route("/api/chat", ollama_chat, methods=["POST"]),
+        Route("/api/generate", ollama_generate, methods=["POST"]),
+        Route("/api/tags", ollama_tags, methods=["GET"]),
+        Route("/api/show", ollama_show, methods=["POST"]),
+        Route("/api/ps", ollama_ps, methods=["GET"]),
+        Route("/api/version", ollama_version, methods=["GET"]),
+        Route("/api/pull", ollama_no_store, methods=["POST"]),
+        Route("/api/delete", ollama_no_store, methods=["DELETE"]),
     ]
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
@@ -168,6 +180,55 @@ async def health(request: HTTPRequest) -> Response:
 async def metrics(request: HTTPRequest) -> Response:
     text = render_metrics(request.app.state.engine.metrics())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def ollama_root(request: HTTPRequest) -> Response:
+    return PlainTextResponse("Ollama is running")
+
+
+async def ollama_chat(request: HTTPRequest) -> Response:
+    settings = _authorized(request)
+    job = ollama.parse_chat(await read_json(request, settings.max_body_bytes), settings.model)
+    return JSONResponse(ollama.loaded(job)) if job.request is None else await run(request, job, OLLAMA)
+
+
+async def ollama_generate(request: HTTPRequest) -> Response:
+    settings = _authorized(request)
+    job = ollama.parse_generate(await read_json(request, settings.max_body_bytes), settings.model)
+    return JSONResponse(ollama.loaded(job)) if job.request is None else await run(request, job, OLLAMA)
+
+
+async def ollama_tags(request: HTTPRequest) -> Response:
+    _authorized(request)
+    return JSONResponse(ollama.tags([_ollama_card(request)]))
+
+
+async def ollama_show(request: HTTPRequest) -> Response:
+    settings = _authorized(request)
+    body = await read_json(request, settings.max_body_bytes)
+    return JSONResponse(ollama.show(body, _ollama_card(request), settings.model))
+
+
+async def ollama_ps(request: HTTPRequest) -> Response:
+    _authorized(request)
+    return JSONResponse(ollama.ps([_ollama_card(request)]))
+
+
+async def ollama_version(request: HTTPRequest) -> Response:
+    return JSONResponse(ollama.version())
+
+
+async def ollama_no_store(request: HTTPRequest) -> Response:
+    _authorized(request)
+    raise ollama.no_store(request.url.path)
+
+
+def _ollama_card(request: HTTPRequest) -> "ollama.Card":
+    """The served model as Ollama's listings describe it (worked out once)."""
+    state = request.app.state
+    if getattr(state, "ollama_card", None) is None:
+        state.ollama_card = ollama.card(state.engine.loaded, state.settings.model, state.settings.started)
+    return state.ollama_card
 
 
 def _model_card(settings: Settings) -> dict:
@@ -266,7 +327,7 @@ async def run(request: HTTPRequest, job, wire: Wire) -> Response:
             handed_over = True
             parts = pieces(job, events, outcome, wire, request.app.state.settings.keepalive)
             frames = _streamed(wire.stream(job, parts, outcome), events, watcher)
-            return StreamingResponse(frames, media_type="text/event-stream",
+            return StreamingResponse(frames, media_type=wire.media_type,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts = [part async for part in pieces(job, events, outcome, wire)]
         return JSONResponse(wire.answer(job, parts, outcome))
@@ -387,7 +448,9 @@ def engine_error(error: BaseException, job, wire: Wire) -> APIError:
 
 async def api_error(request: HTTPRequest, exc: APIError) -> Response:
     """The error in the shape of the API that was called."""
-    body = anthropic.error_body(exc) if request.url.path.startswith("/v1/messages") else exc.body()
+    path = request.url.path
+    body = anthropic.error_body(exc) if path.startswith("/v1/messages") else \
+        ollama.error_body(exc) if path.startswith("/api/") or path == "/" else exc.body()
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 

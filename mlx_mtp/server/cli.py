@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import os
 import signal
+import socket
+import stat
 import sys
+import threading
+import time
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEMO_ID = "mlx-mtp-demo"
+PARENT_POLL = 0.5  # seconds between two checks that --parent-pid is alive
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,9 +32,18 @@ def parser() -> argparse.ArgumentParser:
                     "own drafter for the demo pair)")
     ap.add_argument("--served-model-name",
                     help=f"the id clients send as `model` (default: --model, or {DEMO_ID!r})")
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address to bind (default: 127.0.0.1, this machine only)")
-    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    ap.add_argument("--host", help="address to bind (default: 127.0.0.1, this machine only)")
+    ap.add_argument("--port", type=int, help="port to listen on; 0: a free one, named by the ready line "
+                    "(default: 8000)")
+    embed = ap.add_argument_group("for an app that embeds the server (README: 'Serve')",
+                                  "Once it accepts connections, the server prints one JSON line on stdout: "
+                                  '{"event": "ready", "url": ..., "port": ..., "model": ..., "pid": ...}.')
+    embed.add_argument("--uds", metavar="PATH", help="serve on this Unix socket instead of TCP (then the ready "
+                       "line has `uds`, not `url` and `port`; no --host or --port with it; default: none, TCP)")
+    embed.add_argument("--parent-pid", type=int, metavar="PID", help="shut down, with exit status 0, once the "
+                       f"process PID is gone (checked every {PARENT_POLL:g} s; default: none, not watched)")
+    embed.add_argument("--exit-on-stdin-close", action="store_true",
+                       help="shut down, with exit status 0, once standard input closes (default: off)")
     ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once (default: 8)")
     ap.add_argument("--max-queue", type=int, default=64,
                     help="requests waiting; more are answered 429 (default: 64)")
@@ -92,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.uds is not None and (args.host is not None or args.port is not None):
+        ap.exit(2, f"{ap.prog}: error: --uds serves on a Unix socket: it takes no --host or --port\n")
+    args.host = "127.0.0.1" if args.host is None else args.host
+    args.port = 8000 if args.port is None else args.port
     if args.prompt_cache_gb is not None:
         args.prompt_cache_bytes = int(args.prompt_cache_gb * 2**30)
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
@@ -137,6 +158,9 @@ def main(argv=None) -> int:
         print(f"warning: serving on {args.host}, reachable from other machines"
               + ("" if args.api_key else "; consider --api-key"), file=sys.stderr)
     try:
+        claim_socket(args.uds)
+        if args.parent_pid is not None and not alive(args.parent_pid):
+            raise ValueError(f"--parent-pid {args.parent_pid}: no such process")
         loaded, model_id = load_model(args)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(error_line(e), file=sys.stderr)
@@ -157,7 +181,13 @@ def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes
     else:
         policy = f"MTP on, draft tokens {args.draft_tokens}" + (
             " (chosen by measured cost and acceptance)" if args.draft_tokens == "auto" else "")
-    lines = [f"serving {model_id!r} at http://{args.host}:{args.port}/v1 ({policy}; context {context} tokens)"]
+    if args.uds is not None:
+        where = f"on the Unix socket {args.uds}"
+    elif args.port == 0:
+        where = f"at http://{args.host} on a free port (the ready line on stdout names it)"
+    else:
+        where = f"at http://{args.host}:{args.port}/v1"
+    lines = [f"serving {model_id!r} {where} ({policy}; context {context} tokens)"]
     tiers = [f"{size(prompt_cache_bytes)} in memory"] if prompt_cache_bytes else ["off in memory"]
     if args.prompt_cache_dir is not None:
         disk = DEFAULT_BUDGET / 2**30 if args.prompt_cache_disk_gb is None else args.prompt_cache_disk_gb
@@ -204,8 +234,107 @@ def serve(loaded, model_id: str, args) -> int:
             print("\n".join(lines), file=sys.stderr, flush=True)
             jit.on_first_compile(lambda: sys.stderr.write(jit.NOTICE + "\n"))  # one write: a line of its own
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
-            uvicorn.run(create_app(engine, settings), host=args.host, port=args.port,
-                        log_level=args.log_level, timeout_graceful_shutdown=3)
+            config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port,
+                                    uds=args.uds, log_level=args.log_level,
+                                    log_config=log_config(), timeout_graceful_shutdown=3)
+            server = ready_server(config, lambda server: print(ready_line(server, model_id), flush=True))
+            watch(server, args.parent_pid, args.exit_on_stdin_close)
+            server.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        if args.uds is not None and os.path.exists(args.uds):  # uvicorn.run does this; Server does not
+            os.remove(args.uds)
     return 0
+
+
+# ---- for an app that embeds the server -----------------------------------------------------------
+
+
+def ready_server(config, on_ready):
+    """uvicorn's server, which calls `on_ready(server)` once it accepts connections."""
+    import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                on_ready(self)
+
+    return ReadyServer(config)
+
+
+def ready_line(server, model_id: str) -> str:
+    """The one JSON line on stdout that says the server accepts connections, and where: the bound
+    socket's address, so `--port 0` names the port it got."""
+    ready = {"event": "ready"}
+    if server.config.uds is not None:
+        ready["uds"] = server.config.uds
+    else:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        ready["url"] = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        ready["port"] = port
+    return json.dumps({**ready, "model": model_id, "pid": os.getpid()})
+
+
+def log_config() -> dict:
+    """uvicorn's logging, with its access log on stderr too: stdout carries the ready line only, so
+    an app that reads that line and no more never fills the pipe."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
+
+
+def claim_socket(path) -> None:
+    """Make way for a Unix socket at `path`: remove a stale one, which nothing listens on; refuse a
+    live one, or a file that is no socket."""
+    if path is None or not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ValueError(f"--uds {path}: the file exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # stale: its server is gone
+            os.remove(path)
+            return
+    raise ValueError(f"--uds {path}: another server listens on it")
+
+
+def watch(server, parent_pid, stdin_close: bool) -> None:
+    """Shut `server` down gracefully once `parent_pid` is gone, or standard input closes."""
+
+    def stop(why: str) -> None:
+        print(f"{why}: shutting down", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    def parent() -> None:
+        child = parent_pid == os.getppid()  # once the parent exits, this process gets another one
+        while alive(parent_pid) and not (child and os.getppid() != parent_pid):
+            time.sleep(PARENT_POLL)
+        stop(f"the parent process {parent_pid} exited")
+
+    def stdin() -> None:
+        try:
+            while os.read(sys.stdin.fileno(), 65536):
+                pass
+        except (OSError, ValueError):  # no standard input at all: as closed
+            pass
+        stop("standard input closed")
+
+    if parent_pid is not None:
+        threading.Thread(target=parent, name="watch-parent", daemon=True).start()
+    if stdin_close:
+        threading.Thread(target=stdin, name="watch-stdin", daemon=True).start()

@@ -72,6 +72,24 @@ ANTHROPIC_METADATA = {"user_id"}
 ANTHROPIC_OUTPUT_CONFIG = {"effort", "format"}
 
 
+# ---- Ollama ----------------------------------------------------------------------------------------
+# The fields of the official client's request types (ollama 0.6) and of Ollama's api/types.go.
+
+_OLLAMA_COMMON = {"model", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
+OLLAMA_CHAT = frozenset(_OLLAMA_COMMON | {"messages", "tools"})
+OLLAMA_GENERATE = frozenset(_OLLAMA_COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images",
+                                              "width", "height", "steps"})
+OLLAMA_EXTENSIONS = frozenset({"draft_tokens", "mtp", "structured_outputs"}) | HISTORY_EXTENSIONS
+OLLAMA_MESSAGE = {"role", "content", "thinking", "images", "tool_calls", "tool_name", "tool_call_id"}
+OLLAMA_CALL = {"id", "type", "function"}
+OLLAMA_FUNCTION = {"index", "name", "arguments"}
+OLLAMA_OPTIONS = frozenset({
+    "numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
+    "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "seed", "num_predict", "top_k", "top_p",
+    "min_p", "tfs_z", "typical_p", "repeat_last_n", "temperature", "repeat_penalty", "presence_penalty",
+    "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline", "stop"})
+
+
 def extra(obj: Any, allowed: Iterable[str]) -> list:
     """The keys of `obj` (a dict; anything else has none) that `allowed` does not hold, in order."""
     if not isinstance(obj, dict):
