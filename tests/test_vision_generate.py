@@ -61,21 +61,27 @@ def test_mtp_sampling_after_images_follows_the_target_law():
     bonus = int(mx.argmax(last))
     seeds = mx.array(np.random.default_rng(0).integers(0, 2**32, n), dtype=mx.uint32)
     state = BatchState(mx.full((n,), bonus, dtype=mx.int32), out.hidden[:, -1], seeds)
-    drafter = MTPProposer(tiny_drafter("dense"), target)
+    first, second, accepted = first_two(target, MTPProposer(tiny_drafter("dense"), target), cache, state, sampling, K)
+    context = ids.tolist() + [bonus]
+    nxt = target(mx.array([context + [x] for x in range(128)]), images=tiled(images, 128, L + 2)).logits[:, -1]
+    p_next = np.array(probs(target(mx.array([context]), images=images.rows(0, L + 1)).logits[0, -1], sampling))
+    p2 = p_next @ np.array(probs(nxt, sampling))
+    for tokens, law in ((first, p_next), (second, p2)):
+        assert _chi2(np.bincount(tokens, minlength=128), law)[2] > STRICT
+    assert 0.05 < accepted < 0.95  # drafts were both accepted and rejected
+
+
+def first_two(target, drafter, cache, state, sampling, K: int) -> tuple:
+    """MTP rounds of draft length K over the state's rows until each has emitted two tokens: (first
+    tokens, second tokens, the share of row-rounds that accepted a draft)."""
+    n = len(state.seeds)
     emitted, accepted, rounds = [[] for _ in range(n)], 0, 0
     while min(len(e) for e in emitted) < 2:
         state, rnd = run_round(target, drafter, cache, state, Plan((sampling,) * n, (K,) * n))
         accepted, rounds = accepted + sum(a > 0 for a in rnd.accepted.tolist()), rounds + n
         for row, toks, a in zip(emitted, rnd.tokens.tolist(), rnd.accepted.tolist()):
             row.extend(toks[: a + 1])
-    context = ids.tolist() + [bonus]
-    nxt = target(mx.array([context + [x] for x in range(128)]), images=tiled(images, 128, L + 2)).logits[:, -1]
-    p_next = np.array(probs(target(mx.array([context]), images=images.rows(0, L + 1)).logits[0, -1], sampling))
-    p2 = p_next @ np.array(probs(nxt, sampling))
-    first, second = np.array([e[0] for e in emitted]), np.array([e[1] for e in emitted])
-    for tokens, law in ((first, p_next), (second, p2)):
-        assert _chi2(np.bincount(tokens, minlength=128), law)[2] > STRICT
-    assert 0.05 < accepted / rounds < 0.95  # drafts were both accepted and rejected
+    return np.array([e[0] for e in emitted]), np.array([e[1] for e in emitted]), accepted / rounds
 
 
 def run(gen, ids, images, n=8, stats=None, boundaries=()):
