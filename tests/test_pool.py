@@ -112,7 +112,7 @@ def test_a_budget_for_one_loads_once_per_switch_least_recently_used_out(store, l
             use(pool, name)
         assert pool.eviction_order() == [NAMES[1], NAMES[0]]
         use(pool, NAMES[2])
-        assert names(pool) == [NAMES[0], NAMES[2]]
+        assert names(pool) == [NAMES[2], NAMES[0]]  # by name
 
 
 def test_outputs_equal_a_one_model_engines(store, loads):
@@ -127,10 +127,9 @@ def test_concurrent_leases_of_a_loading_pair_share_one_load_while_others_serve(s
     gate, counted = threading.Event(), pool_module.load
 
     def slow(path, drafter=None):
-        loaded = counted(path, drafter=drafter)
         if path.name == "tiny":
             assert gate.wait(WAIT)
-        return loaded
+        return counted(path, drafter=drafter)
 
     monkeypatch.setattr(pool_module, "load", slow)
     with Pool(store, budget_bytes=3 * need(store), engine_options=OPTIONS) as pool:
@@ -146,13 +145,11 @@ def test_concurrent_leases_of_a_loading_pair_share_one_load_while_others_serve(s
         threads = [threading.Thread(target=client) for _ in range(4)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + WAIT
-        while NAMES[0] not in loads and time.monotonic() < deadline:
-            time.sleep(0.01)
+        time.sleep(0.2)  # one client loads tiny, the others wait for that load
         assert use(pool, NAMES[1]) == other  # served while tiny loads
         gate.set()
-        for t in threads:
-            t.join(WAIT)
+        while any(t.is_alive() for t in threads):  # and while tiny's weights are read
+            assert use(pool, NAMES[1]) == other
         assert not errors and len(got) == 4 and all(g == got[0] for g in got)
         assert loads == [NAMES[1], NAMES[0]]
 
@@ -167,7 +164,8 @@ def test_a_pair_in_flight_is_never_evicted_and_what_cannot_fit_evicts_nothing(st
             assert (full.value.needed, full.value.free, full.value.evictable) == (big, 0, need(store))
             assert f"{big} bytes" in str(full.value) and "0 bytes" in str(full.value)
             assert NAMES[0] in str(full.value) and isinstance(full.value, ValueError)
-            assert names(pool) == NAMES[:2]  # the idle pair was not evicted for nothing
+            assert names(pool) == sorted(NAMES[:2])  # the idle pair was not evicted for nothing
+            assert [r.leases for r in pool.loaded()] == [0, 1]
             use(pool, NAMES[2])  # this one fits once the idle pair goes, never the leased one
             assert names(pool) == [NAMES[2], NAMES[0]]
             generate(engine)
@@ -217,6 +215,18 @@ def test_a_smaller_context_never_reloads_and_a_larger_one_grows_the_kv_in_place(
         assert loads == [NAMES[0]]
 
 
+def test_a_pair_that_grows_evicts_others_never_itself(store, loads):
+    entry = store.resolve(NAMES[0])
+    grows = kv_bytes(entry, 512, 2) - kv_bytes(entry, CONTEXT, 2)
+    with Pool(store, budget_bytes=2 * need(store) + grows - 1, engine_options=OPTIONS) as pool:
+        use(pool, NAMES[0])  # the least recently used, and idle when it grows
+        use(pool, NAMES[1])
+        with pool.lease(NAMES[0], context=512) as engine:
+            assert names(pool) == [NAMES[0]] and pool.loaded()[0].context == 512
+            generate(engine)
+        assert loads == NAMES[:2]
+
+
 def test_a_deleted_model_finishes_its_leases_and_the_next_gets_not_found(models, tmp_path, loads):
     store = Store(shutil.copytree(models, tmp_path / "models"), hf_cache=None)
     with Pool(store, budget_bytes=3 * need(store), engine_options=OPTIONS) as pool:
@@ -238,3 +248,65 @@ def test_an_evicted_pairs_prefix_cache_survives_on_disk(store, loads, tmp_path):
         with pool.lease(NAMES[0], context=CONTEXT) as engine:
             assert engine.cached(PROMPT + reply, timeout=WAIT) >= len(PROMPT)
         assert loads == [NAMES[0], NAMES[1], NAMES[0]]
+
+
+def test_of_pairs_idle_as_long_the_cheaper_to_reload_goes_first(store, loads, monkeypatch):
+    with Pool(store, budget_bytes=3 * need(store, context=512), engine_options=OPTIONS) as pool:
+        use(pool, NAMES[0], context=512)  # the larger pair
+        use(pool, NAMES[1])
+        for name in NAMES[:2]:  # idle 0.4 s and 0.3 s
+            with pool.lease(name):
+                pass
+            time.sleep(0.1 if name == NAMES[0] else 0.3)
+        assert pool.eviction_order() == [NAMES[0], NAMES[1]]  # tiny pairs reload at once: least recent first
+        monkeypatch.setattr(pool_module, "RELOAD_BYTES_PER_S", 1000)  # as if each took half an hour
+        assert pool.eviction_order() == [NAMES[1], NAMES[0]]
+
+
+def test_a_failed_load_fails_every_lease_waiting_on_it_and_the_next_loads_again(store, loads, monkeypatch):
+    gate, counted = threading.Event(), pool_module.load
+
+    def broken(path, drafter=None):
+        counted(path, drafter=drafter)
+        assert gate.wait(WAIT)
+        raise OSError("disk unplugged")
+
+    monkeypatch.setattr(pool_module, "load", broken)
+    with Pool(store, budget_bytes=need(store), engine_options=OPTIONS) as pool:
+        errors = []
+
+        def client():
+            try:
+                use(pool, NAMES[0])
+            except OSError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the waiters are waiting on the one load
+        gate.set()
+        for t in threads:
+            t.join(WAIT)
+        assert errors == ["disk unplugged"] * 3 and loads == [NAMES[0]] and pool.free_bytes() == pool.budget
+        monkeypatch.setattr(pool_module, "load", counted)
+        use(pool, NAMES[0])
+        assert loads == [NAMES[0]] * 2
+
+
+def test_unload_waits_for_the_leases_and_changed_files_reload(models, tmp_path, loads):
+    root = shutil.copytree(models, tmp_path / "models")
+    store = Store(root, hf_cache=None)
+    with Pool(store, budget_bytes=need(store), engine_options=OPTIONS) as pool:
+        with pool.lease(NAMES[0], context=CONTEXT) as engine:
+            assert pool.unload(NAMES[0]) and names(pool) == [NAMES[0]]
+            generate(engine)
+        assert names(pool) == [] and not engine.running and not pool.unload(NAMES[0])
+        with pool.lease(NAMES[0], context=CONTEXT) as first:
+            pass
+        config = root / NAMES[0] / "config.json"
+        config.write_text(config.read_text().replace("{", '{"note": "pulled again", ', 1))
+        store.refresh()
+        with pool.lease(NAMES[0], context=CONTEXT) as second:
+            assert second is not first and not first.running
+        assert loads == [NAMES[0]] * 3

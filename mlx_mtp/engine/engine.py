@@ -150,6 +150,12 @@ class Engine:
         """Counters for monitoring: requests, tokens, speculative decoding (vLLM's names), memory."""
         return {**self._worker.counts(), **memory.usage()}  # MLX's allocator counters: any thread may read them
 
+    def set_memory_limit(self, limit: int) -> None:
+        """Change `memory_limit` (a pool growing a loaded pair's context): requests admitted from now
+        on are counted against it; those running keep what they have."""
+        self.memory_limit = limit
+        self._worker.set_memory_limit(limit)
+
     def swap_drafter(self, drafter) -> concurrent.futures.Future:
         """Put `drafter` (an MTP drafter of this target, or its directory) in service for the requests that
         start from now; those running finish on the old one. The future is done once it is in service, or

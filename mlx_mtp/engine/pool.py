@@ -1,7 +1,9 @@
 """A pool of engines, one per loaded pair (a target with its drafter), within a memory budget.
 
 The `Engine` serves one pair; the pool decides which pairs are loaded. Each lease names a model:
-a pair that is not loaded is loaded on demand, after admission has made room for it.
+a pair that is not loaded is loaded on demand, after admission has made room for it. Leases of a
+pair that is loading wait for that one load (and get its error if it fails); a load runs on the
+leasing thread, outside the pool's lock, so the other pairs serve meanwhile.
 
     pool = Pool(Store(), pins=["gemma4:e2b"], prompt_cache_dir="~/.cache/mlx_mtp/prompts")
     with pool.lease("gemma4:31b", context=8192, keep_alive="10m") as engine:
@@ -35,8 +37,9 @@ eviction: a pair loaded again resumes from them.
 latest lease's keep_alive applies, counted from when the pair's last lease ends. Expiry runs on a
 timer thread of the pool (an idle server gives the memory back without a request to notice it).
 Pins never expire and are never evicted; `unload` still unloads them. A model deleted from the
-store keeps serving the leases it has; the next lease gets the store's NotFound. A model whose
-files changed (pulled again) is reloaded at its next lease once it is idle.
+store keeps serving the leases it has; the next lease gets the store's NotFound, and the pair goes
+at its keep_alive or to the first eviction. A model whose files changed (pulled again) is reloaded
+at its next lease once it is idle.
 
 For the server (the wiring is the next step): one Pool per server, built from `--memory-gb`
 (`budget_bytes`), `--keep-alive` (`default_keep_alive`), `--pin` (`pins`), `--prompt-cache-dir`
@@ -90,9 +93,9 @@ class PoolFull(ValueError):
     def __init__(self, what: str, needed: int, free: int, evictable: int, budget: int, kept: Sequence[str]):
         self.needed, self.free, self.evictable, self.budget = needed, free, evictable, budget
         held = f" ({', '.join(kept)} in use or pinned)" if kept else ""
+        more = f"evicting idle models would free {size(evictable)} more" if evictable else "none is idle"
         super().__init__(f"{what} needs {size(needed)} ({needed} bytes); {size(free)} ({free} bytes) of "
-                         f"the pool's {size(budget)} is free, and evicting idle models would free "
-                         f"{size(evictable)} more{held}")
+                         f"the pool's {size(budget)} is free, and {more}{held}")
 
 
 def keep_alive_seconds(value: KeepAlive) -> float:
@@ -134,6 +137,7 @@ class Resident:
     expires_at: Optional[float]  # wall-clock seconds (time.time()); None: never
     leases: int
     pinned: bool
+    entry: Entry = dataclasses.field(repr=False, compare=False)  # digest, details, model_info
 
 
 class _Pair:
@@ -254,6 +258,7 @@ class Pool:
                 self._grow(pair, self._context(entry, context), victims)
             pair.leases += 1
             pair.keep_alive, pair.expires = ttl, math.inf
+            pair.unload_when_idle = False  # the latest lease's keep_alive wins, as Ollama's does
             return pair
 
     def _admit(self, entry: Entry, context: Optional[int], ttl: float, victims: list) -> _Pair:
@@ -268,9 +273,9 @@ class Pool:
 
     def _grow(self, pair: _Pair, context: int, victims: list) -> None:
         kv = self.kv_bytes(pair.entry, context)
-        victims += self._make_room(f"growing '{pair.entry.name}' to context {context}", kv - pair.kv)
+        victims += self._make_room(f"growing '{pair.entry.name}' to context {context}", kv - pair.kv, pair)
         pair.context, pair.kv = context, kv
-        _set_memory_limit(pair.engine, kv + pair.prompt_cache)
+        pair.engine.set_memory_limit(kv + pair.prompt_cache)
 
     def _load(self, pair: _Pair) -> None:
         """Load a pair admitted under the lock, outside it: other pairs serve meanwhile."""
@@ -326,16 +331,17 @@ class Pool:
         with self._lock:
             return [p.entry.name for p in self._candidates()]
 
-    def _candidates(self) -> list[_Pair]:
+    def _candidates(self, keep: Optional[_Pair] = None) -> list[_Pair]:
         now = time.monotonic()
-        idle = [p for p in self._pairs.values() if p.idle and not self._pinned(p)]
+        idle = [p for p in self._pairs.values() if p.idle and not self._pinned(p) and p is not keep]
         return sorted(idle, key=lambda p: -(now - p.last_used) / (1 + p.bytes / RELOAD_BYTES_PER_S))
 
-    def _make_room(self, what: str, needed: int) -> list[_Pair]:
-        """Evict what must go for `needed` more bytes to fit, or nothing and raise PoolFull."""
+    def _make_room(self, what: str, needed: int, keep: Optional[_Pair] = None) -> list[_Pair]:
+        """Evict what must go for `needed` more bytes to fit (never `keep`, the pair that grows),
+        or nothing and raise PoolFull."""
         free = self.budget - sum(p.bytes for p in self._pairs.values())
         chosen: list[_Pair] = []
-        for pair in self._candidates():
+        for pair in self._candidates(keep):
             if free >= needed:
                 break
             chosen.append(pair)
@@ -394,7 +400,7 @@ class Pool:
                 ends = p.expires if not p.leases else now + p.keep_alive
                 expires = None if self._pinned(p) or ends == math.inf else wall + ends - now
                 out.append(Resident(p.entry.name, p.bytes, p.entry.bytes, p.context, expires, p.leases,
-                                    self._pinned(p)))
+                                    self._pinned(p), p.entry))
             return out
 
     def unload(self, name: str) -> bool:
@@ -467,11 +473,3 @@ def kv_bytes(entry: Entry, context: int, rows: int) -> int:
 
 def _digest(entry: Entry) -> tuple:
     return entry.target.digest, entry.drafter.digest if entry.drafter else None
-
-
-def _set_memory_limit(engine: Engine, limit: int) -> None:
-    """Raise a running Engine's KV limit, on its worker at its next admission. Until the Engine has
-    a `set_memory_limit` of its own, this reaches the attribute its admission reads each time."""
-    worker = engine._worker
-    engine.memory_limit = limit
-    worker.command(None, lambda: setattr(worker._admission, "limit", limit))

@@ -155,6 +155,10 @@ class Worker:
                 raise RuntimeError("the engine is closed")
             self._inbox.put(_Command(conversation_id, run))
 
+    def set_memory_limit(self, limit: int) -> None:
+        """The KV cache and prefix cache's limit, from the next admission on."""
+        self.command(None, lambda: setattr(self._admission, "limit", limit))
+
     def forget(self, conversation_id: int, history: History) -> None:
         """Reset a conversation and release the states it pins, in its line."""
         self._inbox.put(_Command(conversation_id, lambda: (history.reset(), self.gen.release(history.key))))
