@@ -25,6 +25,7 @@ from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
+from . import store
 from .runtime import jit, memory
 from .distributed import pipeline
 from .cli import demo_pair, draft_tokens, error_line, positive_int, prog_name, readable
@@ -66,8 +67,9 @@ assistant. Try:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog_name("mlx_mtp.chat"), description=__doc__.splitlines()[0],
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair, a small model "
-                                    "trained on Python source)")
+    ap.add_argument("--model", help="target model dir, hub id, or a name in the model store (`gemma4:e2b`: its "
+                                    "drafter too; mlx-mtp models lists them) (default: the bundled demo pair, a "
+                                    "small model trained on Python source)")
     ap.add_argument("--drafter", help="MTP drafter dir or hub id, or 'ngram' for prompt lookup (no model needed); "
                                       "default: the demo pair's own drafter without --model, none (plain "
                                       "decoding) with --model")
@@ -130,6 +132,8 @@ def open_session(args, group: Optional[Group] = None) -> tuple[Loaded, str]:
         model, demo_drafter = demo_pair()
         drafter = drafter or demo_drafter
         what = f"no --model: running the bundled demo pair in {model.parent}, a small model to try things out"
+    else:
+        model, drafter = store.named(model, drafter)  # a store name (gemma4:e2b) is its pair's directories
     if args.no_mtp:
         drafter = None
     dtype = getattr(mx, dtype) if dtype else None

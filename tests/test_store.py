@@ -388,3 +388,25 @@ def test_every_option_of_the_cli_says_its_default(command, capsys):
         cli([*command, "--help"])
     helps = option_helps(capsys.readouterr().out)
     assert [name for name, text in helps.items() if name != "-h" and "default" not in text] == []
+
+
+def test_the_chat_and_the_server_take_a_store_name_as_model(pulled, tmp_path):
+    """`--model gemma4:e2b` is the pulled pair (its drafter too); an unknown bare name is one line."""
+    import subprocess
+    import sys
+
+    from mlx_mtp.store import named
+
+    env = {**os.environ, "MLX_MTP_MODELS": str(pulled[0]), "HF_HUB_OFFLINE": "1"}
+    entry = Store(pulled[0], hf_cache=None).resolve("gemma4:e2b")
+    assert named("gemma4:e2b", store=Store(pulled[0], hf_cache=None)) == (str(entry.target.path),
+                                                                         str(entry.drafter.path))
+    assert named("someorg/not-here", store=Store(pulled[0], hf_cache=None)) == ("someorg/not-here", None)  # a hub id
+    out = subprocess.run([sys.executable, "-m", "mlx_mtp.chat", "--model", "gemma4:e2b", "--raw", "--prompt", "hi",
+                          "--max-tokens", "3", "--draft-tokens", "2"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0 and "MTP rounds" in out.stderr, out.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "mlx_mtp.chat", "--model", "gemma4:nope", "--prompt", "hi"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert bad.returncode != 0 and len(lines) == 1 and "mlx-mtp pull gemma4:nope" in lines[0], bad.stderr[-2000:]

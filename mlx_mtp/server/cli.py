@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mlx-mtp-server", description="An OpenAI- and Anthropic-compatible server "
                                  "for Gemma 4 with MTP speculative decoding (chat, text completions and messages, "
                                  "tool calls and thinking, SSE streaming).")
-    ap.add_argument("--model", help="target model dir or hub id (default: the bundled demo pair)")
+    ap.add_argument("--model", help="target model dir, hub id, or a name in the model store (`gemma4:e2b`: its "
+                                    "drafter too; mlx-mtp models lists them) (default: the bundled demo pair)")
     ap.add_argument("--drafter", help="MTP drafter dir or hub id (default: none, plain decoding; the demo's "
                     "own drafter for the demo pair)")
     ap.add_argument("--served-model-name",
@@ -137,6 +138,10 @@ def load_model(args):
     if model is None:
         model, demo_drafter = demo_pair()
         drafter, dtype, name = drafter or demo_drafter, dtype or "float32", DEMO_ID
+    else:
+        from .. import store
+
+        model, drafter = store.named(model, drafter)  # a store name (gemma4:e2b) is its pair's directories
     loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None,
                   load_vision=getattr(args, "load_vision", False))
     from ..formats import vision

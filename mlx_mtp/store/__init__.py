@@ -41,7 +41,7 @@ from .checkpoint import Checkpoint, KVShape
 from .errors import NotFound, PullError, Refused, StoreError
 from .names import Name
 from .pull import QUANTIZE, PullEvent
-from .store import ENV, Store, default_hf_cache, default_models_dir
+from .store import ENV, Store, default_hf_cache, default_models_dir, named
 
 __all__ = ["Store", "Entry", "Catalog", "Checkpoint", "KVShape", "Name", "PullEvent", "QUANTIZE",
-           "StoreError", "NotFound", "Refused", "PullError", "ENV", "default_models_dir", "default_hf_cache"]
+           "StoreError", "NotFound", "Refused", "PullError", "ENV", "default_models_dir", "default_hf_cache", "named"]

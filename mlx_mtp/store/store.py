@@ -129,3 +129,28 @@ class Store:
         mine, refused = models_dir(self.models_dir, self._inspect)
         theirs, refused_there = hf_cache(self.hf_cache, self._inspect)
         return Catalog(mine + theirs, refused + refused_there + ([bad] if bad else []), settings)
+
+
+def named(model: Optional[str], drafter: Optional[str] = None,
+          store: Optional[Store] = None) -> tuple[Optional[str], Optional[str]]:
+    """`--model` (and `--drafter`) as the chat and the server take them: a directory as it is, else a
+    name in the store (`gemma4:e2b`, `google/gemma-4-E2B-it`, an alias): its target's directory and,
+    unless `drafter` names one, its drafter's. A name with an org the store lacks stays a hub id for
+    `load`; one without stays an error, said in one line with the store's nearest names.
+
+    Raises:
+        NotFound: a bare name (no org) that the store does not hold.
+    """
+    if model is None or Path(model).expanduser().exists():
+        return model, drafter
+    from .errors import NotFound
+
+    try:
+        entry = (store or Store()).resolve(model)
+    except NotFound as e:
+        if "/" in model.split(":")[0]:  # `org/name`: a hub id, fetched by `load`
+            return model, drafter
+        raise NotFound(f"{e}; pull it (mlx-mtp pull {model}) or pass a directory") from None
+    if drafter is None and entry.drafter is not None:
+        drafter = str(entry.drafter.path)
+    return str(entry.target.path), drafter
