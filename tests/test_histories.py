@@ -90,3 +90,16 @@ def test_template_mode_is_the_templates_own_rendering(loaded):
 def test_history_options_are_checked(bad, match):
     with pytest.raises(ValueError, match=match):
         mlx_mtp.Request(messages=[{"role": "user", "content": "x"}], **bad).check()
+
+
+def test_only_a_reply_whose_text_is_all_it_says_is_spliced_back_by_its_text(loaded):
+    """A stateless history sends replies back as text; their ids as generated stand in for them only
+    where the text is the whole reply: not a tool call's empty text, nor a reply that reasoned."""
+    from mlx_mtp.engine.history import Replies
+
+    replies = Replies(loaded, 8)
+    replies.record([7, 8, 9], {"role": "assistant", "content": "Hi there."})
+    replies.record([1, 2, 3], {"role": "assistant", "content": "",
+                               "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]})
+    replies.record([4, 5], {"role": "assistant", "content": "42", "reasoning_content": "6 x 7"})
+    assert replies.get("Hi there.") == [7, 8, 9] and replies.get("") is None and replies.get("42") is None

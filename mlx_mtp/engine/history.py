@@ -45,8 +45,11 @@ class Replies:
 
     def record(self, reply: Sequence[int], message: Mapping) -> None:
         """Keep a reply's ids under its content as a client reads it (`message`, the reply as an
-        assistant message)."""
+        assistant message), where the content is all the reply says: a reply that reasoned or called
+        a tool stands for more than its text (and an empty one for nothing), so it is not kept."""
         ids, text = self.ids(reply), message.get("content") or ""
+        if not text or message.get("reasoning_content") or message.get("tool_calls"):
+            return
         with self._lock:
             self._ids[text] = ids
             self._ids.move_to_end(text)
