@@ -249,9 +249,6 @@ class Tower:
                 self._model = model
             return self._model
 
-    def load(self) -> nn.Module:
-        return self.get()
-
 
 def towers(path: Path, config: dict[str, Any], dtype: Optional[mx.Dtype] = None) -> dict[str, Tower]:
     """The checkpoint's media towers by kind ("vision", "audio"), not read yet."""

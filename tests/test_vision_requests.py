@@ -282,13 +282,14 @@ def test_http_image_urls_are_fetched_only_when_allowed(api, tmp_path):
 
 
 def test_a_part_may_ask_for_its_budget():
-    from mlx_mtp.formats.vision import ImagePart, message_images
+    from mlx_mtp.formats.media import message_media
+    from mlx_mtp.formats.vision import ImagePart
 
-    sources, messages = message_images([{"role": "user", "content": [
+    sources, messages = message_media([{"role": "user", "content": [
         {"type": "image", "image": b"a", "max_soft_tokens": 560},
         {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}},
         {"type": "image_url", "image_url": {"url": "data:y", "detail": "high"}}, {"type": "text", "text": "hi"}]}])
     assert sources == [ImagePart(b"a", 560), ImagePart("data:x", 70), ImagePart("data:y", None)]
     assert messages[0]["content"] == [{"type": "image"}] * 3 + [{"type": "text", "text": "hi"}]
     with pytest.raises(ImageError, match="max_soft_tokens must be one of"):
-        message_images([{"role": "user", "content": [{"type": "image", "image": b"a", "max_soft_tokens": 100}]}])
+        message_media([{"role": "user", "content": [{"type": "image", "image": b"a", "max_soft_tokens": 100}]}])

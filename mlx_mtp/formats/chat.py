@@ -168,13 +168,12 @@ def render(tokenizer, messages: Sequence[Mapping], tools: Optional[Sequence[Mapp
 
 def tokenizer_markup(tokenizer) -> Markup:
     """The tokenizer's template markup apart from request text (Gemma 4's tags among its controls)."""
-    return markup_of(tokenizer, PROTOCOL)
+    return markup_of(tokenizer, PROTOCOL, PARSED)
 
 
 def hidden_ids(tokenizer) -> frozenset:
     """Control tokens that are no text in a reply: all but the tags the output's parser reads."""
-    mk = tokenizer_markup(tokenizer)
-    return frozenset(i for t, i in mk.controls.items() if t not in PARSED)
+    return tokenizer_markup(tokenizer).hidden
 
 
 def reply_message(tokenizer, ids: Sequence[int], prompt: "Prompt", tools: bool = True) -> dict:

@@ -34,9 +34,11 @@ class Markup:
     Args:
         tokenizer: mlx-lm's `TokenizerWrapper` (or a transformers tokenizer).
         protocol: more control strings (an output format's tags), where the vocabulary has them.
+        parsed: the control strings an output's parser reads; every other control token is no text
+            in a reply (`hidden`).
     """
 
-    def __init__(self, tokenizer, protocol: Iterable[str] = ()):
+    def __init__(self, tokenizer, protocol: Iterable[str] = (), parsed: Iterable[str] = ()):
         self.tokenizer = tokenizer
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         literal = _literal_text(getattr(tokenizer, "chat_template", None))
@@ -46,6 +48,8 @@ class Markup:
             t.content: i for i, t in added.items() if t.content and not t.content.isspace()
             and (getattr(t, "special", False) or t.content in literal or t.content in protocol)}
         self.control_ids = frozenset(self.controls.values())
+        parsed = set(parsed)
+        self.hidden = frozenset(i for t, i in self.controls.items() if t not in parsed)
         tokens = "|".join(map(re.escape, sorted(self.controls, key=len, reverse=True))) or "(?!)"
         self._control = re.compile(tokens)
         self._marked = re.compile(f"{START}({tokens}){END}|[{START}{END}]")
@@ -141,10 +145,10 @@ _MARKUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def markup(tokenizer, protocol: Iterable[str] = ()) -> Markup:
+def markup(tokenizer, protocol: Iterable[str] = (), parsed: Iterable[str] = ()) -> Markup:
     """The tokenizer's `Markup` (with `protocol`'s tags among its controls), made once."""
     with _LOCK:
         found = _MARKUPS.get(tokenizer)
         if found is None:
-            found = _MARKUPS[tokenizer] = Markup(tokenizer, protocol)
+            found = _MARKUPS[tokenizer] = Markup(tokenizer, protocol, parsed)
         return found

@@ -60,10 +60,6 @@ class AudioEncoder:
         self.boa = int(config.get("boa_token_id", 256000))
         self.eoa = int(config.get("eoa_token_id", config.get("eoa_token_index", 258883)))
 
-    @property
-    def loaded(self) -> bool:
-        return self.tower.loaded
-
     def clips(self, part: AudioPart) -> list[np.ndarray]:
         """A part's audio decoded to 16 kHz mono, in the pieces the model reads (AudioError if unusable)."""
         rate = part.sampling_rate

@@ -16,7 +16,7 @@ has only a torchvision backend).
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -115,26 +115,6 @@ def image_source(part: Mapping) -> Any:
     raise ImageError('an image part is {"type": "image", "image": <path, bytes or PIL image>}')
 
 
-def message_images(messages: Optional[Sequence[Mapping]]) -> tuple[list, Optional[list]]:
-    """The image sources of `messages` in the order the template renders them, and the messages
-    with each image part as `{"type": "image"}` (None when there is no image: the messages as they are)."""
-    sources, out = [], []
-    for m in messages or ():
-        content = m.get("content") if isinstance(m, Mapping) else None
-        if not isinstance(content, (list, tuple)) or not any(_is_image(p) for p in content):
-            out.append(m)
-            continue
-        parts = []
-        for p in content:
-            if _is_image(p):
-                sources.append(ImagePart(image_source(p), part_budget(p)))
-                parts.append({"type": "image"})
-            else:
-                parts.append(p)
-        out.append({**m, "content": parts})
-    return sources, (out if sources else None)
-
-
 def part_budget(part: Mapping) -> Optional[int]:
     """The budget an image part asks for: `max_soft_tokens` (70, 140, 280, 560, 1120), or OpenAI's
     `detail: "low"` (70); None for the checkpoint's."""
@@ -144,7 +124,3 @@ def part_budget(part: Mapping) -> Optional[int]:
     if budget is not None and budget not in image_io.BUDGETS:
         raise ImageError(f"max_soft_tokens must be one of {', '.join(map(str, image_io.BUDGETS))}, not {budget!r}")
     return budget
-
-
-def _is_image(part) -> bool:
-    return isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
