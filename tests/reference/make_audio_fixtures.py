@@ -2,7 +2,7 @@
 
 Ground truth is transformers==5.23.0 (numpy only: no torch is run) with soundfile and soxr. Usage:
 
-    /work/refvenv/bin/python tests/reference/make_audio_fixtures.py [--out tests/fixtures/audio]
+    /tmp/ref-venv/bin/python tests/reference/make_audio_fixtures.py [--out tests/fixtures/audio]
 
 Deterministic (formulas and a seeded numpy Generator). What it writes under <out>:
 

@@ -2,7 +2,7 @@
 
 Ground truth is transformers==5.23.0 / torch==2.13.0 on CPU, as for make_fixtures.py. Usage:
 
-    /work/refvenv/bin/python tests/reference/make_audio_tower_fixtures.py [--out tests/fixtures/audio_tower]
+    /tmp/ref-venv/bin/python tests/reference/make_audio_tower_fixtures.py [--out tests/fixtures/audio_tower]
 
 Deterministic (fixed seed, one thread). What it writes under <out>:
 

@@ -2,7 +2,7 @@
 
 Ground truth is transformers==5.23.0 / torch==2.13.0 (CPU, float32, one thread). Usage:
 
-    /work/refvenv/bin/python tests/reference/make_unified_fixtures.py [--out tests/fixtures/unified]
+    /tmp/ref-venv/bin/python tests/reference/make_unified_fixtures.py [--out tests/fixtures/unified]
     <a venv with torchvision>/bin/python tests/reference/make_unified_fixtures.py --resize-report
 
 Deterministic: two runs give identical arrays. Modelled on make_fixtures.py (read its docstring for

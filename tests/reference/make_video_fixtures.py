@@ -5,9 +5,9 @@ Ground truth is transformers==5.23.0 with torch 2.14.1, torchvision 0.29.1, PyAV
 (transformers' default video decoder, which needs FFmpeg's shared libraries: Debian's libavcodec59,
 libavformat59, libavfilter8, libswscale6, libswresample4, libavutil57, libavdevice59). Usage:
 
-    python3.11 -m venv /work/refvenv-video
-    /work/refvenv-video/bin/pip install transformers==5.23.0 torch==2.14.1 torchvision==0.29.1 av torchcodec
-    /work/refvenv-video/bin/python tests/reference/make_video_fixtures.py [--out tests/fixtures/video]
+    python3.11 -m venv /tmp/ref-venv-video
+    /tmp/ref-venv-video/bin/pip install transformers==5.23.0 torch==2.14.1 torchvision==0.29.1 av torchcodec
+    /tmp/ref-venv-video/bin/python tests/reference/make_video_fixtures.py [--out tests/fixtures/video]
 
 It writes under <out>:
 
