@@ -60,3 +60,18 @@ def scripted_server(tmp_path_factory):
 
     with serve_scripted(tmp_path_factory.mktemp("scripted-server")) as url:
         yield url
+
+
+def _isolated_stores() -> None:
+    """Servers and CLIs started by the tests see an empty model store and Hugging Face cache (not the
+    machine's), and pull from no Hub unless a test names one (its fake Hub's HF_ENDPOINT)."""
+    import os
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="mlx_mtp-tests-"))
+    os.environ["MLX_MTP_MODELS"] = str(root / "models")
+    os.environ["HF_HUB_CACHE"] = str(root / "hf")
+    os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")  # discard: a pull nobody faked fails at once
+
+
+_isolated_stores()

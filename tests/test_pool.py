@@ -179,7 +179,33 @@ def test_a_pinned_pair_is_never_evicted_nor_expired(store, loads):
             use(pool, NAMES[1])
         [resident] = pool.loaded()
         assert (resident.name, resident.pinned, resident.expires_at) == (NAMES[0], True, None)
+        assert not pool.unload(NAMES[0], pinned=False) and names(pool) == [NAMES[0]]  # a client's: it stays
         assert pool.unload(NAMES[0]) and pool.loaded() == []  # an explicit unload still unloads it
+
+
+def test_an_adopted_engine_is_served_by_its_names_pinned_and_reserved_at_its_limit(store, loads):
+    """A server's start model: built as the server builds it, then held by the pool beside the store's."""
+    entry = store.resolve(NAMES[0])
+    engine = Engine(mlx_mtp.load(entry.target.path, drafter=entry.drafter.path), memory_limit=need(store) // 2,
+                    **OPTIONS)
+    with Pool(store, budget_bytes=entry.bytes + need(store) // 2 + need(store), engine_options=OPTIONS) as pool:
+        pool.adopt(entry, engine, names=["my-model"])
+        assert pool.resolve("my-model:latest") is entry and pool.engine_of("my-model") is engine
+        with pool.lease("my-model", context=10**6) as leased:  # never grown: served at its full context
+            assert leased is engine and pool.context_of(engine) == entry.kv.context
+        (resident,) = pool.loaded()
+        assert (resident.bytes, resident.pinned, resident.expires_at) == (entry.bytes + need(store) // 2, True, None)
+        use(pool, NAMES[1])  # fits beside it; a third does not, and the pinned one is not evicted for it
+        with pytest.raises(PoolFull):
+            use(pool, NAMES[2], context=512)
+        assert loads == [NAMES[1]] and engine.running
+        with pytest.raises(ValueError, match="already holds"):
+            pool.adopt(entry, engine)
+    assert not engine.running  # the pool closed it
+    with Pool(store, budget_bytes=entry.bytes) as pool, Engine(mlx_mtp.load(entry.target.path), **OPTIONS) as e:
+        with pytest.raises(PoolFull):  # its limit does not fit: refused, and left to its owner
+            pool.adopt(entry, e)
+        assert e.running and pool.loaded() == []
 
 
 def test_keep_alive_zero_unloads_at_lease_end_a_short_one_expires_negative_keeps(store, loads):

@@ -119,12 +119,9 @@ def test_unknown_models_and_bad_requests_in_ollamas_shapes(client, scripted_serv
         r = httpx.post(scripted_server + path, json=body, headers=AUTH)
         assert r.status_code == 400 and isinstance(r.json()["error"], str), (body, r.text)
     assert httpx.post(scripted_server + "/api/chat", json={"model": MODEL}).status_code == 401  # the server's key
-    for method, path in (("POST", "/api/pull"), ("DELETE", "/api/delete")):
-        r = httpx.request(method, scripted_server + path, json={"model": "gemma4:e2b"}, headers=AUTH)
-        assert r.status_code == 501 and "model store" in r.json()["error"]
-    with pytest.raises(ollama.ResponseError) as e:
+    with pytest.raises(ollama.ResponseError) as e:  # pulls and deletes: tests/test_server_models.py
         client.delete("gemma4:e2b")
-    assert e.value.status_code == 501
+    assert e.value.status_code == 404 and 'model "gemma4:e2b" not found' in e.value.error
 
 
 def test_a_request_with_nothing_to_generate_loads_the_model(client):
@@ -267,3 +264,25 @@ def test_readme_curl_examples_run_as_written(others):
     assert outs["chat"][-1]["done"] and len(outs["chat"]) > 2  # streamed: NDJSON lines
     assert outs["generate"][0]["done"] and outs["generate"][0]["response"]
     assert "capabilities" in outs["show"][0]
+
+
+def test_an_app_built_on_one_engine_serves_it_by_name_and_has_no_store():
+    """`create_app(engine, ...)`: the one model, listed as loaded; no pulls or deletes (501); an unload
+    request leaves the app's engine as it is."""
+    from starlette.testclient import TestClient
+
+    import mlx_mtp
+    from mlx_mtp.cli import demo_pair
+    from mlx_mtp.server import Settings, create_app, served_model
+
+    loaded = mlx_mtp.load(*demo_pair())
+    with mlx_mtp.Engine(loaded) as engine, TestClient(create_app(engine, Settings(served_model(loaded, "m")))) as c:
+        assert [(m["id"], m["loaded"]) for m in c.get("/v1/models").json()["data"]] == [("m", True)]
+        assert c.get("/v1/models/nope").status_code == 404
+        for method, path in (("POST", "/api/pull"), ("DELETE", "/api/delete")):
+            r = c.request(method, path, json={"model": "m"})
+            assert r.status_code == 501 and "no model store" in r.json()["error"]
+        assert c.post("/api/generate", json={"model": "m", "keep_alive": 0}).json()["done_reason"] == "unload"
+        assert engine.running and [m["name"] for m in c.get("/api/ps").json()["models"]] == ["m"]
+        r = c.post("/api/generate", json={"model": "x", "keep_alive": 0})
+        assert r.status_code == 404 and r.json() == {"error": 'model "x" not found, try pulling it first'}

@@ -22,6 +22,8 @@ from chat_helpers import TINY, write_gemma4_tokenizer
 from fake_hub import FakeHub, read_repo
 from test_help import option_helps
 
+from apps.serve_load import free_port
+
 import mlx_mtp
 from mlx_mtp.store import KVShape, Name, NotFound, PullError, Store
 from mlx_mtp.store.checkpoint import Checkpoint
@@ -361,15 +363,18 @@ def test_a_pull_of_an_unknown_name_says_so_in_one_line(hub, tmp_path):
 
 def test_the_cli_lists_and_removes(pulled, tmp_path, capsys):
     root = copy_of(pulled, tmp_path)
+    nobody = f"http://127.0.0.1:{free_port()}"  # no server there: LOADED is "-", and ps says so
     where = ["--models-dir", str(root), "--no-hf-cache"]
-    assert cli(["models", *where]) == 0
+    assert cli(["models", *where, "--host", nobody]) == 0
     header, line = capsys.readouterr().out.splitlines()
     assert header.split() == ["NAME", "ALIASES", "SIZE", "QUANTIZATION", "DRAFTER", "LOADED"]
     assert line.split() == [E2B, "gemma4:e2b", "1.2", "MB", "f32", E2B_DRAFTER, "-"]
     assert cli(["rm", "gemma4:e2b", *where]) == 0 and capsys.readouterr().out == f"deleted {E2B}\n"
     assert cli(["rm", "gemma4:e2b", *where]) == 1
     assert capsys.readouterr().err.count("\n") == 1
-    assert cli(["ps", *where]) == 2
+    assert cli(["ps", "--host", nobody]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no mlx_mtp server answers at {nobody} (" in err and "pass --host" in err
 
 
 def test_the_progress_bar_without_a_terminal_prints_a_line_per_step_and_file(pulled):

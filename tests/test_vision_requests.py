@@ -133,7 +133,7 @@ def test_both_apis_answer_an_image_as_the_library_does(api):
 
     client, loaded = api
     data = base64.b64encode(png(picture(40, 30))).decode()
-    handle = client.app.state.engine.submit(Request(messages=[{"role": "user", "content": [
+    handle = client.app.state.models.engine.submit(Request(messages=[{"role": "user", "content": [
         {"type": "image", "image": picture(40, 30)}, {"type": "text", "text": "what is it?"}]}], max_tokens=6))
     expected = handle.result(WAIT)
     a = client.post("/v1/chat/completions", json=openai_body("data:image/png;base64," + data)).json()
@@ -202,7 +202,7 @@ def test_count_tokens_counts_soft_tokens(api):
     counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
     request = Request(messages=[{"role": "user", "content": [{"type": "image", "image": picture(30, 45)},
                                                              {"type": "text", "text": "what is it?"}]}])
-    assert counted == len(client.app.state.engine._prepare.one_shot(request)[1].tokens) > 60
+    assert counted == len(client.app.state.models.engine._prepare.one_shot(request)[1].tokens) > 60
 
 
 # ---- the chat -----------------------------------------------------------------------------------

@@ -36,18 +36,16 @@ eviction: a pair loaded again resumes from them.
 "1h30m", "300ms"); 0 unloads the pair when its last lease ends; negative keeps it loaded. The
 latest lease's keep_alive applies, counted from when the pair's last lease ends. Expiry runs on a
 timer thread of the pool (an idle server gives the memory back without a request to notice it).
-Pins never expire and are never evicted; `unload` still unloads them. A model deleted from the
+Pins never expire and are never evicted; `unload` still unloads them, unless told to leave them. A model deleted from the
 store keeps serving the leases it has; the next lease gets the store's NotFound, and the pair goes
 at its keep_alive or to the first eviction. A model whose files changed (pulled again) is reloaded
 at its next lease once it is idle.
 
-For the server (the wiring is the next step): one Pool per server, built from `--memory-gb`
-(`budget_bytes`), `--keep-alive` (`default_keep_alive`), `--pin` (`pins`), `--prompt-cache-dir`
-and the engine flags (`engine_options`). Every route resolves its request's `model` through
-`pool.lease(model, context=num_ctx, keep_alive=keep_alive)` and streams inside the `with` block;
-NotFound answers 404 and PoolFull 507 (Ollama: 500 with its `error` line), each in its API's
-shape. `/api/ps` and `/v1/models` read `pool.loaded()`; `/api/delete` calls `store.delete` (the
-pool needs nothing); a request with keep_alive 0 and no prompt (Ollama's unload) calls `unload`.
+The server keeps one Pool (`server/models.py`), built from `--memory-gb` (`budget_bytes`),
+`--keep-alive` (`default_keep_alive`), `--pin` (`pins`), `--prompt-cache-dir` and the engine flags
+(`engine_options`). The model it was started with is `adopt`ed: an Engine built as the server
+always built it (its own memory plan), reserved at its weights and `memory_limit`, pinned, and
+found by its served name as well as the store's (`resolve`).
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -175,11 +173,13 @@ class Pool:
         prompt_cache_dir: where each pair's prefix cache keeps its states (a subdirectory each).
         engine_options: more `Engine` arguments for every pair (`max_batch`, `prefill_chunk`,
             `prompt_cache_bytes`, ...); `memory_limit` is the pool's to set.
+        loader: `loader(entry)` loads a pair for its Engine (default: `load(target, drafter=...)`);
+            a server's applies its dtype and media settings.
     """
 
     def __init__(self, store: Store, budget_bytes: Optional[int] = None,
                  default_keep_alive: KeepAlive = 300.0, pins: Sequence[str] = (), prompt_cache_dir=None,
-                 engine_options: Mapping = {}):
+                 engine_options: Mapping = {}, loader: Optional[Callable[[Entry], object]] = None):
         if "memory_limit" in engine_options or "prompt_cache_dir" in engine_options:
             raise ValueError("engine_options may not set memory_limit or prompt_cache_dir: the pool does")
         self.store = store
@@ -193,6 +193,8 @@ class Pool:
         self.engine_options = dict(engine_options)
         self.prompt_cache_bytes = self.engine_options.pop("prompt_cache_bytes", None)
         self.rows = self.engine_options.get("max_batch", ROWS)
+        self.loader = loader or _load
+        self._adopted: dict[str, Entry] = {}  # name key -> an adopted pair's entry (not the store's to resolve)
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Condition()
         self._closed = False
@@ -217,7 +219,7 @@ class Pool:
             a bad keep_alive. Whatever the load raises (each lease waiting on that load gets it too).
         """
         ttl = self.default_keep_alive if keep_alive is None else keep_alive_seconds(keep_alive)
-        entry = self.store.resolve(name)
+        entry = self.resolve(name)
         pair = self._acquire(entry, context, ttl)
         try:
             yield pair.engine
@@ -282,7 +284,7 @@ class Pool:
         entry = pair.entry
         try:
             mark_mlx_thread()
-            loaded = load(entry.target.path, drafter=entry.drafter.path if entry.drafter else None)
+            loaded = self.loader(entry)
             engine = Engine(loaded, memory_limit=pair.kv + pair.prompt_cache,
                             prompt_cache_bytes=pair.prompt_cache, prompt_cache_dir=self._cache_dir(entry),
                             **self.engine_options)
@@ -315,6 +317,44 @@ class Pool:
                 self._lock.notify_all()  # the expiry thread's next deadline may be this one
                 return
         self._close([pair])
+
+    def adopt(self, entry: Entry, engine: Engine, names: Sequence[str] = (), pin: bool = True) -> None:
+        """Take in an Engine built elsewhere (a server's start model), serving `entry` at its full
+        context: reserved at its weights and `memory_limit`, never grown; found by `names` too.
+        Loaded again after an unload, it is a pair like any other.
+
+        Raises:
+            PoolFull: it does not fit the budget beside the pairs there are.
+        """
+        with self._lock:
+            if entry.name in self._pairs:
+                raise ValueError(f"the pool already holds '{entry.name}'")
+            pair = _Pair(entry, entry.kv.context, engine.memory_limit, 0, self.default_keep_alive)
+            closing = self._make_room(f"model '{entry.name}'", pair.bytes)
+            pair.engine = engine
+            self._pairs[entry.name] = pair
+            for name in (entry.name, *names):
+                self._adopted[key(name)] = entry
+            if pin:
+                self.pins |= {key(n) for n in (entry.name, *names)}
+            self._lock.notify_all()
+        self._close(closing)
+
+    def resolve(self, name: str) -> Entry:
+        """The entry a lease of `name` serves: an adopted pair's, else the store's (NotFound)."""
+        adopted = self._adopted.get(key(name))
+        return adopted if adopted is not None else self.store.resolve(name)
+
+    def engine_of(self, name: str) -> Optional[Engine]:
+        """The Engine of the loaded pair `name` names (None: not loaded, or loading)."""
+        with self._lock:
+            pair = self._find(name)
+            return pair.engine if pair is not None else None
+
+    def context_of(self, engine: Engine) -> Optional[int]:
+        """The context a loaded pair's KV is reserved for (its requests' longest reply by default)."""
+        with self._lock:
+            return next((p.context for p in self._pairs.values() if p.engine is engine), None)
 
     # ---- admission and eviction -------------------------------------------------------------
 
@@ -403,11 +443,12 @@ class Pool:
                                     self._pinned(p), p.entry))
             return out
 
-    def unload(self, name: str) -> bool:
-        """Unload the pair `name` names now, or when its leases end; False if it is not loaded."""
+    def unload(self, name: str, pinned: bool = True) -> bool:
+        """Unload the pair `name` names now, or when its leases end; False if it is not loaded (or
+        pinned, with `pinned=False`: a client's unload leaves what the server pinned)."""
         with self._lock:
             pair = self._find(name)
-            if pair is None or pair.engine is None:
+            if pair is None or pair.engine is None or (not pinned and self._pinned(pair)):
                 return False
             if pair.leases:
                 pair.unload_when_idle = True
@@ -437,6 +478,8 @@ class Pool:
     def _find(self, name: str) -> Optional[_Pair]:
         """A pool's pair by any of its names, without the store (the model may be deleted)."""
         wanted = key(name)
+        if wanted in self._adopted:
+            return self._pairs.get(self._adopted[wanted].name)
         for pair in self._pairs.values():
             if wanted in {key(n) for n in (pair.entry.name, *pair.entry.aliases)}:
                 return pair
@@ -455,6 +498,10 @@ class Pool:
         if self.prompt_cache_dir is None:
             return None
         return self.prompt_cache_dir / entry.name.replace("/", "--")
+
+
+def _load(entry: Entry):
+    return load(entry.target.path, drafter=entry.drafter.path if entry.drafter else None)
 
 
 def default_budget() -> int:

@@ -1,6 +1,10 @@
-"""The HTTP side: a Starlette app that hands every OpenAI and Anthropic request to the Engine.
+"""The HTTP side: a Starlette app that hands every OpenAI, Anthropic and Ollama request to the Engine
+of the model it names.
 
-No MLX call runs here; the Engine's worker thread owns them all. A handle's events arrive on
+Each request first leases its model (`models.py`: the one Engine an app built the app on, or the
+server's pool, which loads it if need be, within its memory budget), is parsed for that model,
+and gives the lease back once its answer is done (a stream: when it ends). No MLX call runs
+here; each Engine's worker thread owns them all. A handle's events arrive on
 a blocking queue, so each request gets a reader thread that passes them to the event loop
 (`EventStream`). Whatever way a request ends early (a client that went away, an error), its
 handle is cancelled, which frees its engine row within one round; a stop string ends it in the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import hmac
 import json
 import logging
@@ -30,12 +35,14 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..formats import chat as chat_format
 from ..formats.chat import Delta
+from ..engine.pool import PoolFull
 from ..engine.requests import ContextLengthError, QueueFull, RequestHandle
+from ..store import NotFound, PullError, StoreError
 from . import anthropic, ollama, protocol
-from .common import KEEPALIVE, APIError, Outcome, ServedModel, invalid
+from .common import KEEPALIVE, APIError, Outcome, ServedModel, flag, invalid, keep_alive
 from .metrics import render as render_metrics
+from .models import Lease, One, Pooled, in_thread, served_model  # noqa: F401 (served_model: the package's)
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -71,8 +78,9 @@ class Settings:
 
 
 def create_app(engine, settings: Settings) -> Starlette:
-    """The OpenAI- and Anthropic-compatible app serving `engine` (an `Engine`, which the caller
-    starts and closes)."""
+    """The OpenAI-, Anthropic- and Ollama-compatible app serving `engine`: an `Engine` (one model,
+    `settings.model`; the caller starts and closes it) or a server's `models.Pooled` (every model
+    of its store, by the name each request gives)."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -91,21 +99,14 @@ def create_app(engine, settings: Settings) -> Starlette:
         Route("/api/show", ollama_show, methods=["POST"]),
         Route("/api/ps", ollama_ps, methods=["GET"]),
         Route("/api/version", ollama_version, methods=["GET"]),
-        Route("/api/pull", ollama_no_store, methods=["POST"]),
-        Route("/api/delete", ollama_no_store, methods=["DELETE"]),
+        Route("/api/pull", ollama_pull, methods=["POST"]),
+        Route("/api/delete", ollama_delete, methods=["DELETE"]),
     ]
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
-    app.state.engine, app.state.settings = engine, settings
+    models = engine if isinstance(engine, (One, Pooled)) else One(engine, settings.model, settings.started)
+    app.state.models, app.state.settings = models, settings
     return app
-
-
-def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = False, history: str = "generated",
-                 keep_thinking: bool = False, parse_control_tokens: bool = False) -> ServedModel:
-    """What the parsers know of `loaded`, with the server's defaults for requests that do not say."""
-    config = loaded.target.config
-    return ServedModel(model_id, config.max_position_embeddings, config.vocab_size, draft_tokens, thinking,
-                       chat_format.has_tool_calls(loaded.tokenizer), history, keep_thinking, parse_control_tokens)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------
@@ -113,47 +114,55 @@ def served_model(loaded, model_id: str, draft_tokens="auto", thinking: bool = Fa
 
 async def chat_completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
-    job = protocol.parse_chat(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, OPENAI)
+    body = await read_json(request, settings.max_body_bytes)
+    return await serve(request, body, lambda lease: protocol.parse_chat(body, lease.model), OPENAI)
 
 
 async def completions(request: HTTPRequest) -> Response:
     settings = _authorized(request)
-    job = protocol.parse_completion(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, OPENAI)
+    body = await read_json(request, settings.max_body_bytes)
+    return await serve(request, body, lambda lease: protocol.parse_completion(body, lease.model), OPENAI)
 
 
 async def messages(request: HTTPRequest) -> Response:
     settings = _authorized(request)
-    job = anthropic.parse_messages(await read_json(request, settings.max_body_bytes), settings.model)
-    return await run(request, job, ANTHROPIC)
+    body = await read_json(request, settings.max_body_bytes)
+    return await serve(request, body, lambda lease: anthropic.parse_messages(body, lease.model), ANTHROPIC)
 
 
 async def count_tokens(request: HTTPRequest) -> Response:
     settings = _authorized(request)
-    job = anthropic.parse_messages(await read_json(request, settings.max_body_bytes), settings.model, count=True)
+    body = await read_json(request, settings.max_body_bytes)
+    lease = await leased(request, body)
     try:
-        n = await asyncio.to_thread(request.app.state.engine.count_tokens, job.request)
+        job = anthropic.parse_messages(body, lease.model, count=True)
+        n = await asyncio.to_thread(lease.engine.count_tokens, job.request)
     except ValueError as e:
         raise invalid(None, str(e)) from None
+    finally:
+        lease.release()
     return JSONResponse({"input_tokens": n})
 
 
 async def list_models(request: HTTPRequest) -> Response:
-    settings = _authorized(request)
-    return JSONResponse({"object": "list", "data": [_model_card(settings)]})
+    """GET /v1/models: every model there is, with whether it is loaded (`loaded`, an extension)."""
+    _authorized(request)
+    return JSONResponse({"object": "list", "data": [_model_card(item) for item in request.app.state.models.listing()]})
 
 
 async def get_model(request: HTTPRequest) -> Response:
-    settings = _authorized(request)
-    protocol.check_model(request.path_params["model"], settings.model)
-    return JSONResponse(_model_card(settings))
+    _authorized(request)
+    name = request.path_params["model"]
+    for item in request.app.state.models.listing():
+        if ollama.same_model(name, item.card.name) or any(ollama.same_model(name, a) for a in item.aliases):
+            return JSONResponse(_model_card(item))
+    raise model_error(request, name, NotFound(name))
 
 
 async def put_drafter(request: HTTPRequest) -> Response:
-    """POST /v1/drafter {"drafter": DIR}: serve another MTP drafter of this target (an adapted one,
-    `mlx_mtp.learn`) from the next request on; the running ones finish on the old. The server's own
-    machine only (loopback), with the key when the server has one."""
+    """POST /v1/drafter {"drafter": DIR}: serve another MTP drafter of the start model's target (an
+    adapted one, `mlx_mtp.learn`) from the next request on; the running ones finish on the old. The
+    server's own machine only (loopback), with the key when the server has one."""
     settings = _authorized(request)
     if request.client is None or request.client.host not in LOOPBACK:
         raise APIError(403, "POST /v1/drafter is taken from the server's own machine only", type="permission_error",
@@ -162,7 +171,10 @@ async def put_drafter(request: HTTPRequest) -> Response:
     path = body.get("drafter") if isinstance(body, dict) else None
     if not isinstance(path, str) or not path:
         raise invalid("drafter", "the body must be {\"drafter\": \"<directory of an MTP drafter>\"}")
-    swap = request.app.state.engine.swap_drafter(path)
+    engines = request.app.state.models.engines()
+    if not engines:
+        raise APIError(409, f"`{settings.model.id}` is not loaded: send it a request first", code="not_loaded")
+    swap = engines[0].swap_drafter(path)
     try:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(swap)), SWAP_WAIT)
     except (OSError, ValueError) as e:
@@ -173,12 +185,14 @@ async def put_drafter(request: HTTPRequest) -> Response:
 
 
 async def health(request: HTTPRequest) -> Response:
-    ok = request.app.state.engine.running
+    ok = all(engine.running for engine in request.app.state.models.engines())
     return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
 
 
 async def metrics(request: HTTPRequest) -> Response:
-    text = render_metrics(request.app.state.engine.metrics())
+    """The start model's engine's metrics (none while it is not loaded)."""
+    engines = request.app.state.models.engines()
+    text = render_metrics(engines[0].metrics()) if engines else ""
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -187,53 +201,106 @@ async def ollama_root(request: HTTPRequest) -> Response:
 
 
 async def ollama_chat(request: HTTPRequest) -> Response:
-    settings = _authorized(request)
-    job = ollama.parse_chat(await read_json(request, settings.max_body_bytes), settings.model)
-    return JSONResponse(ollama.loaded(job)) if job.request is None else await run(request, job, OLLAMA)
+    return await _ollama(request, ollama.parse_chat, generate=False)
 
 
 async def ollama_generate(request: HTTPRequest) -> Response:
+    return await _ollama(request, ollama.parse_generate, generate=True)
+
+
+async def _ollama(request: HTTPRequest, parse, generate: bool) -> Response:
+    """A chat or generate request; one with nothing to generate loads its model, or with
+    keep_alive 0 unloads it (without loading it first)."""
     settings = _authorized(request)
-    job = ollama.parse_generate(await read_json(request, settings.max_body_bytes), settings.model)
-    return JSONResponse(ollama.loaded(job)) if job.request is None else await run(request, job, OLLAMA)
+    body = await read_json(request, settings.max_body_bytes)
+    if ollama.unloads(body, generate):
+        name = ollama.named(body)
+        try:
+            request.app.state.models.unload(name)
+        except NotFound as e:
+            raise model_error(request, name, e) from None
+        return JSONResponse(ollama.unloaded(name, generate))
+
+    def parsed(lease: Lease):
+        job = parse(body, lease.model)
+        return dataclasses.replace(job, load_ns=lease.load_ns, started=lease.started_ns)
+
+    return await serve(request, body, parsed, OLLAMA, context=ollama.num_ctx(body))
 
 
 async def ollama_tags(request: HTTPRequest) -> Response:
     _authorized(request)
-    return JSONResponse(ollama.tags([_ollama_card(request)]))
+    return JSONResponse(ollama.tags([item.card for item in request.app.state.models.listing()]))
 
 
 async def ollama_show(request: HTTPRequest) -> Response:
     settings = _authorized(request)
     body = await read_json(request, settings.max_body_bytes)
-    return JSONResponse(ollama.show(body, _ollama_card(request), settings.model))
+    name = ollama.named(body)
+    try:
+        card = request.app.state.models.show(name)
+    except NotFound as e:
+        raise model_error(request, name, e) from None
+    return JSONResponse(ollama.show(card))
 
 
 async def ollama_ps(request: HTTPRequest) -> Response:
     _authorized(request)
-    return JSONResponse(ollama.ps([_ollama_card(request)]))
+    return JSONResponse(ollama.ps(request.app.state.models.listing(loaded_only=True)))
 
 
 async def ollama_version(request: HTTPRequest) -> Response:
     return JSONResponse(ollama.version())
 
 
-async def ollama_no_store(request: HTTPRequest) -> Response:
-    _authorized(request)
-    raise ollama.no_store(request.url.path)
+async def ollama_pull(request: HTTPRequest) -> Response:
+    """POST /api/pull {"model", "stream"}: the model and its drafter from the Hub, its progress as
+    NDJSON (Ollama's lines); a pull the client leaves goes on to the end."""
+    settings = _authorized(request)
+    body = await read_json(request, settings.max_body_bytes)
+    name, store = ollama.named(body), request.app.state.models.store
+    if store is None:
+        raise ollama.no_store(request.url.path)
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    pulling = in_thread(store.pull, name, lambda event: loop.call_soon_threadsafe(events.put_nowait, event.json()))
+    pulling.add_done_callback(lambda _: events.put_nowait(None))
+    if not flag(body, "stream", True):
+        try:
+            await asyncio.shield(pulling)
+        except StoreError as e:
+            raise model_error(request, name, e) from None
+        return JSONResponse({"status": "success"})
+
+    async def lines() -> AsyncIterator[str]:
+        while (line := await events.get()) is not None:
+            yield json.dumps(line) + "\n"
+        if pulling.exception() is not None:
+            yield json.dumps(ollama.error_body(model_error(request, name, pulling.exception()))) + "\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-def _ollama_card(request: HTTPRequest) -> "ollama.Card":
-    """The served model as Ollama's listings describe it (worked out once)."""
-    state = request.app.state
-    if getattr(state, "ollama_card", None) is None:
-        state.ollama_card = ollama.card(state.engine.loaded, state.settings.model, state.settings.started)
-    return state.ollama_card
+async def ollama_delete(request: HTTPRequest) -> Response:
+    """DELETE /api/delete {"model"}: the model's files (its drafter with its last model); a loaded one
+    finishes its requests and is unloaded."""
+    settings = _authorized(request)
+    body = await read_json(request, settings.max_body_bytes)
+    name, models = ollama.named(body), request.app.state.models
+    if models.store is None:
+        raise ollama.no_store(request.url.path)
+    try:
+        await asyncio.to_thread(models.delete, name)
+    except StoreError as e:
+        raise model_error(request, name, e) from None
+    return Response(status_code=200)
 
 
-def _model_card(settings: Settings) -> dict:
-    return {"id": settings.model.id, "object": "model", "created": settings.started, "owned_by": "mlx_mtp",
-            "max_model_len": settings.model.context}
+def _model_card(item) -> dict:
+    """A model in OpenAI's listing, with this server's `loaded`, `aliases` and `max_model_len` (vLLM's)."""
+    created = int(datetime.datetime.fromisoformat(item.card.modified_at.replace("Z", "+00:00")).timestamp())
+    return {"id": item.card.name, "object": "model", "created": created, "owned_by": "mlx_mtp",
+            "max_model_len": item.card.context, "loaded": item.loaded, "aliases": list(item.aliases)}
 
 
 # ---- request plumbing --------------------------------------------------------------------------
@@ -297,23 +364,74 @@ def _learns(request: HTTPRequest) -> bool:
     return request.headers.get("x-mlx-mtp-learn", "").strip().lower() not in ("off", "0", "false", "no")
 
 
-async def run(request: HTTPRequest, job, wire: Wire) -> Response:
+async def serve(request: HTTPRequest, body, parse: Callable, wire: Wire, context: Optional[int] = None) -> Response:
+    """Lease the model the body names, parse the body for it (`parse(lease)`: the lease's
+    `model` is what the parsers read) and answer it; the lease goes back when the answer is done.
+    An Ollama request with nothing to generate only loaded the model."""
+    lease = await leased(request, body, context)
+    try:
+        job = parse(lease)
+        if job.request is None:
+            lease.release()
+            return JSONResponse(ollama.loaded(job))
+    except BaseException:
+        lease.release()
+        raise
+    return await run(request, job, wire, lease)
+
+
+async def leased(request: HTTPRequest, body, context: Optional[int] = None) -> Lease:
+    """The model the body names (`model`; Ollama's clients may say `name`), loaded and held, with
+    the body's `keep_alive` (every API's: the pool's meaning, Ollama's)."""
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+    if name is not None and not isinstance(name, str):
+        raise invalid("model", "model must be a string")
+    ttl, models = keep_alive(body), request.app.state.models
+    if not name and not models.has_default:
+        raise invalid("model", "model is required: this server serves the models of its store (GET /v1/models "
+                               "lists them)")
+    try:
+        return await models.lease(name or None, context, ttl)
+    except (NotFound, PoolFull, StoreError) as e:
+        raise model_error(request, name, e) from None
+    except Exception as e:  # its load failed: a corrupt shard, a mismatched drafter
+        from ..cli import error_line
+
+        log.error("loading %s failed", name, exc_info=e)
+        raise APIError(500, f"could not load model '{name}': {error_line(e)}", code="load_failed") from None
+
+
+def model_error(request: HTTPRequest, name, error: Exception) -> APIError:
+    """A model that is not there, does not fit, or could not be pulled or deleted, in the called API's
+    words."""
+    on_ollama = request.url.path.startswith("/api/")
+    if isinstance(error, NotFound):
+        if on_ollama:
+            return ollama.not_found(name)
+        near = f"; near: {', '.join(error.near)}" if error.near else "; GET /v1/models lists them"
+        return APIError(404, f"the model `{name}` does not exist on this server{near}", param="model",
+                        code="model_not_found")
+    if isinstance(error, PoolFull):  # Ollama answers 500 for a model that needs more memory than is free
+        return APIError(500 if on_ollama else 507, f"model '{name}' does not fit in memory: {error}",
+                        code="insufficient_memory")
+    if isinstance(error, PullError):  # the Hub's failure, or a checkpoint it serves that cannot be used
+        return APIError(502, f"pulling '{name}' failed: {error}", code="pull_failed")
+    return invalid("model", str(error))
+
+
+async def run(request: HTTPRequest, job, wire: Wire, lease: Lease) -> Response:
     """Submit the job and answer it: `wire.answer(job, parts, outcome)` makes the whole reply,
     `wire.stream(job, parts, outcome)` its server-sent events. A prompt that does not fit is
     refused by `submit`, and what the engine refuses at once is awaited (`OPEN_AFTER`) before
-    any header is sent: both get a real HTTP error."""
-    engine = request.app.state.engine
+    any header is sent: both get a real HTTP error. `lease` goes back once the answer is done."""
+    engine = lease.engine
     if not _learns(request):
         job = dataclasses.replace(job, request=dataclasses.replace(job.request, learn=False))
     try:  # off the event loop: submitting renders the prompt
         handle = await asyncio.to_thread(engine.submit, job.request)
-    except QueueFull as e:
-        raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-    except ContextLengthError as e:
-        raise wire.context_error(e, job) from None
-    except ValueError as e:
-        raise invalid(None, str(e)) from None
+    except BaseException as e:
+        lease.release()
+        raise _refused(e, job, wire) from None
     events = EventStream(handle)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, events))
     handed_over = False
@@ -326,7 +444,7 @@ async def run(request: HTTPRequest, job, wire: Wire) -> Response:
         if job.stream:
             handed_over = True
             parts = pieces(job, events, outcome, wire, request.app.state.settings.keepalive)
-            frames = _streamed(wire.stream(job, parts, outcome), events, watcher)
+            frames = _streamed(wire.stream(job, parts, outcome), events, watcher, lease)
             return StreamingResponse(frames, media_type=wire.media_type,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts = [part async for part in pieces(job, events, outcome, wire)]
@@ -335,6 +453,19 @@ async def run(request: HTTPRequest, job, wire: Wire) -> Response:
         if not handed_over:
             watcher.cancel()
             events.close()
+            lease.release()
+
+
+def _refused(e: BaseException, job, wire: Wire) -> BaseException:
+    """What `submit` raised, as the HTTP error it is."""
+    if isinstance(e, QueueFull):
+        return APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
+                        code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(e, ContextLengthError):
+        return wire.context_error(e, job)
+    if isinstance(e, ValueError):
+        return invalid(None, str(e))
+    return e
 
 
 async def _cancel_on_disconnect(request: HTTPRequest, events: "EventStream") -> None:
@@ -424,13 +555,15 @@ async def pieces(job, events: EventStream, outcome: Outcome, wire: Wire,
         outcome.stats = event.stats
 
 
-async def _streamed(frames: AsyncIterator[str], events: EventStream, watcher: asyncio.Task) -> AsyncIterator[str]:
+async def _streamed(frames: AsyncIterator[str], events: EventStream, watcher: asyncio.Task,
+                    lease: Lease) -> AsyncIterator[str]:
     try:
         async for frame in frames:
             yield frame
     finally:
         watcher.cancel()
         events.close()
+        lease.release()
 
 
 # ---- errors ------------------------------------------------------------------------------------

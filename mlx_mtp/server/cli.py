@@ -45,6 +45,30 @@ def parser() -> argparse.ArgumentParser:
                        f"process PID is gone (checked every {PARENT_POLL:g} s; default: none, not watched)")
     embed.add_argument("--exit-on-stdin-close", action="store_true",
                        help="shut down, with exit status 0, once standard input closes (default: off)")
+    store = ap.add_argument_group("many models (README: 'Many models, one server')",
+                                  "Each request's `model` picks a model: the one --model names (loaded at start, "
+                                  "pinned) or any in the model store, loaded when first asked for, within a memory "
+                                  "budget; idle ones are evicted, least recently used first, to make room.")
+    store.add_argument("--store-only", action="store_true",
+                       help="serve the store's models only: nothing loads at start, and each request names its "
+                            "model (default: off: --model, or the demo pair, is loaded at start and pinned)")
+    store.add_argument("--models-dir", metavar="DIR", help="the model store (default: $MLX_MTP_MODELS, else "
+                       "~/.cache/mlx_mtp/models; the Hugging Face cache is listed too)")
+    store.add_argument("--memory-gb", type=float, metavar="GB", help="what all loaded models may reserve together: "
+                       "weights, KV cache and prefix cache (default: what the device should use, less an eighth)")
+    store.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                       help="how long a model stays loaded after its last request, for requests that do not send "
+                            "`keep_alive`: seconds or a duration (\"10m\", \"1h\"), 0 to unload at once, negative "
+                            "to keep (default: 5m, as Ollama)")
+    store.add_argument("--pin", action="append", default=[], metavar="NAME",
+                       help="keep this model loaded once loaded: never evicted, never expired (repeatable; the "
+                            "--model one is pinned already; default: none)")
+    store.add_argument("--num-ctx", type=positive_int, default=4096, metavar="N",
+                       help="tokens per row a store model's KV cache is reserved for when a request does not ask "
+                            "(Ollama's `options.num_ctx`); also its replies' default longest (default: 4096)")
+    store.add_argument("--allow-pull", action="store_true",
+                       help="pull a model the store lacks from the Hub when a request names it (default: off: "
+                            "404, pull with /api/pull or mlx-mtp pull)")
     ap.add_argument("--max-batch", type=int, default=8, help="requests generating at once (default: 8)")
     ap.add_argument("--max-queue", type=int, default=64,
                     help="requests waiting; more are answered 429 (default: 64)")
@@ -124,6 +148,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--prompt-cache-disk-gb takes a size > 0, with --prompt-cache-dir")
     if (args.learn_gb is not None or args.learn_every is not None) and args.learn_dir is None:
         ap.error("--learn-gb and --learn-every go with --learn-dir")
+    if args.store_only and (args.model or args.drafter or args.served_model_name or args.learn_dir):
+        ap.error("--store-only serves the store's models: it takes no --model, --drafter, --served-model-name "
+                 "or --learn-dir")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        ap.error("--memory-gb must be > 0")
+    from ..engine.pool import keep_alive_seconds
+
+    try:
+        keep_alive_seconds(args.keep_alive)
+    except ValueError as e:
+        ap.error(f"--keep-alive: {e}")
     return args
 
 
@@ -141,7 +176,9 @@ def load_model(args):
     else:
         from .. import store
 
-        model, drafter = store.named(model, drafter)  # a store name (gemma4:e2b) is its pair's directories
+        args.store_entry = _stored(model, getattr(args, "models_dir", None))
+        # a store name (gemma4:e2b) is its pair's directories
+        model, drafter = store.named(model, drafter, store.Store(getattr(args, "models_dir", None)))
     loaded = load(model, drafter, dtype=getattr(mx, dtype) if dtype else None,
                   load_vision=getattr(args, "load_vision", False))
     from ..formats import vision
@@ -155,6 +192,20 @@ def load_model(args):
     return loaded, args.served_model_name or str(name)
 
 
+def _stored(model: str, models_dir):
+    """The store's entry `model` names, where it names one (the server then serves it under both names)."""
+    from pathlib import Path
+
+    from ..store import NotFound, Store
+
+    if Path(model).expanduser().exists():
+        return None
+    try:
+        return Store(models_dir).resolve(model)
+    except NotFound:
+        return None
+
+
 def main(argv=None) -> int:
     from ..cli import error_line
 
@@ -166,11 +217,19 @@ def main(argv=None) -> int:
         claim_socket(args.uds)
         if args.parent_pid is not None and not alive(args.parent_pid):
             raise ValueError(f"--parent-pid {args.parent_pid}: no such process")
-        loaded, model_id = load_model(args)
+        loaded, model_id = (None, None) if args.store_only else load_model(args)
     except Exception as e:  # bad path, wrong pair, unreadable checkpoint: one line, no traceback
         print(error_line(e), file=sys.stderr)
         return 2
     return serve(loaded, model_id, args)
+
+
+def where(args) -> str:
+    if args.uds is not None:
+        return f"on the Unix socket {args.uds}"
+    if args.port == 0:
+        return f"at http://{args.host} on a free port (the ready line on stdout names it)"
+    return f"at http://{args.host}:{args.port}/v1"
 
 
 def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes: int) -> list[str]:
@@ -186,13 +245,7 @@ def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes
     else:
         policy = f"MTP on, draft tokens {args.draft_tokens}" + (
             " (chosen by measured cost and acceptance)" if args.draft_tokens == "auto" else "")
-    if args.uds is not None:
-        where = f"on the Unix socket {args.uds}"
-    elif args.port == 0:
-        where = f"at http://{args.host} on a free port (the ready line on stdout names it)"
-    else:
-        where = f"at http://{args.host}:{args.port}/v1"
-    lines = [f"serving {model_id!r} {where} ({policy}; context {context} tokens)"]
+    lines = [f"serving {model_id!r} {where(args)} ({policy}; context {context} tokens)"]
     tiers = [f"{size(prompt_cache_bytes)} in memory"] if prompt_cache_bytes else ["off in memory"]
     if args.prompt_cache_dir is not None:
         disk = DEFAULT_BUDGET / 2**30 if args.prompt_cache_disk_gb is None else args.prompt_cache_disk_gb
@@ -208,39 +261,43 @@ def start_lines(model_id: str, args, context: int, mtp: bool, prompt_cache_bytes
 
 
 def serve(loaded, model_id: str, args) -> int:
-    """Serve a loaded model as `model_id` until interrupted."""
+    """Serve a loaded model as `model_id`, and the store's models beside it, until interrupted."""
     import uvicorn
 
     from ..runtime import jit
     from ..cli import error_line
-    from ..engine.engine import Engine
+    from ..engine.pool import PoolFull
     from .app import Settings, create_app, served_model
+    from .common import ServedModel
 
-    model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking, args.history, args.keep_thinking,
-                         args.parse_control_tokens)
+    if loaded is None:  # --store-only: only the request defaults
+        model = ServedModel("", 0, 0, args.draft_tokens, args.enable_thinking, True, args.history, args.keep_thinking,
+                            args.parse_control_tokens)
+    else:
+        model = served_model(loaded, model_id, args.draft_tokens, args.enable_thinking, args.history,
+                             args.keep_thinking, args.parse_control_tokens)
     settings = Settings(model, args.api_key, args.max_body_bytes, args.keepalive_seconds)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: let SIGTERM
     # also become KeyboardInterrupt, so the engine closes on the way out and the exit status is 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
-    learn = None if args.learn_gb is None else int(args.learn_gb * 2**30)
     try:
-        engine = Engine(loaded, max_batch=args.max_batch, max_queue=args.max_queue,
-                        prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
-                        prompt_cache_disk_bytes=disk, prefill_tokens=args.prefill_tokens, learn_dir=args.learn_dir,
-                        learn_bytes=learn, learn_every=args.learn_every, drafter_dir=getattr(args, "drafter_dir", None))
-    except (OSError, ValueError) as e:  # an unwritable --learn-dir, a quantized drafter to adapt
+        engine, pool = start_pool(loaded, model, args)
+    except (OSError, ValueError, PoolFull) as e:  # an unwritable --learn-dir, a quantized drafter to adapt
         print(error_line(e), file=sys.stderr)
         return 2
     try:
-        with engine:
-            print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
-            lines = start_lines(model_id, args, model.context, loaded.drafter is not None, engine.prompt_cache_bytes)
-            print("\n".join(lines), file=sys.stderr, flush=True)
+        with pool:
+            if engine is not None:
+                print(engine.memory.describe(engine.prompt_cache_bytes), file=sys.stderr)
+                lines = start_lines(model_id, args, model.context, loaded.drafter is not None,
+                                    engine.prompt_cache_bytes)
+            else:
+                lines = [f"serving the model store {where(args)}"]
+            print("\n".join(lines + [pool_line(pool, args)]), file=sys.stderr, flush=True)
             jit.on_first_compile(lambda: sys.stderr.write(jit.NOTICE + "\n"))  # one write: a line of its own
             # Open streams get a few seconds to finish on shutdown; then they are cancelled.
-            config = uvicorn.Config(create_app(engine, settings), host=args.host, port=args.port,
-                                    uds=args.uds, log_level=args.log_level,
+            config = uvicorn.Config(create_app(served_models(pool, loaded, model, args), settings), host=args.host,
+                                    port=args.port, uds=args.uds, log_level=args.log_level,
                                     log_config=log_config(), timeout_graceful_shutdown=3)
             server = ready_server(config, lambda server: print(ready_line(server, model_id), flush=True))
             watch(server, args.parent_pid, args.exit_on_stdin_close)
@@ -251,6 +308,77 @@ def serve(loaded, model_id: str, args) -> int:
         if args.uds is not None and os.path.exists(args.uds):  # uvicorn.run does this; Server does not
             os.remove(args.uds)
     return 0
+
+
+def start_pool(loaded, model, args):
+    """The start model's Engine (as the server always built it) and the pool that holds it beside
+    the store's models: pinned, found by its served name (and its store name, where it has one)."""
+    from ..engine.engine import Engine
+    from ..engine.pool import Pool, default_budget
+    from ..runtime import memory
+    from ..store import Store
+    from .models import served_entry
+
+    budget = None if args.memory_gb is None else int(args.memory_gb * 2**30)
+    disk = None if args.prompt_cache_disk_gb is None else int(args.prompt_cache_disk_gb * 2**30)
+    shared = dict(max_batch=args.max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
+                  prompt_cache_disk_bytes=disk)
+    options = {**shared, **({"prompt_cache_bytes": args.prompt_cache_bytes} if args.prompt_cache_bytes is not None
+                            else {})}
+    if loaded is None:  # --store-only
+        pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
+                    loader=lambda e: load_entry(e, args))
+        return None, pool
+    plan = memory.plan(loaded.target, loaded.drafter)
+    limit = None if budget is None else min(plan.kv_limit, max((budget - plan.model_bytes) // 2, 1))
+    learn = None if args.learn_gb is None else int(args.learn_gb * 2**30)
+    engine = Engine(loaded, memory_limit=limit, prompt_cache_bytes=args.prompt_cache_bytes,
+                    prompt_cache_dir=args.prompt_cache_dir, learn_dir=args.learn_dir, learn_bytes=learn,
+                    learn_every=args.learn_every, drafter_dir=getattr(args, "drafter_dir", None), **shared)
+    entry = getattr(args, "store_entry", None) or served_entry(loaded, model.id)
+    if budget is None:  # the start model is held as the server always held it, whatever the default budget
+        budget = max(default_budget(), entry.bytes + engine.memory_limit)
+    pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
+                loader=lambda e: load_model(args)[0] if e is entry else load_entry(e, args))
+    try:
+        pool.adopt(entry, engine, names=[model.id])
+    except BaseException:
+        pool.close()
+        engine.close()
+        raise
+    return engine, pool
+
+
+def load_entry(entry, args):
+    """A store model, loaded as the server's flags say (dtype, vision at start, image URLs)."""
+    import mlx.core as mx
+
+    from ..formats import vision
+    from ..loading import load
+
+    loaded = load(entry.target.path, entry.drafter.path if entry.drafter else None,
+                  dtype=getattr(mx, args.dtype) if args.dtype else None, load_vision=args.load_vision)
+    images = vision.encoder(loaded)
+    if images is not None:
+        images.fetch_urls = args.allow_image_urls
+    return loaded
+
+
+def served_models(pool, loaded, model, args):
+    from . import ollama
+    from .models import Pooled
+
+    card = None if loaded is None else ollama.card(loaded, model, int(time.time()))
+    return Pooled(pool, model, card, allow_pull=args.allow_pull)
+
+
+def pool_line(pool, args) -> str:
+    from ..runtime.memory import size
+
+    entries = pool.store.entries()
+    pulls = "on demand" if args.allow_pull else "with /api/pull or mlx-mtp pull"
+    return (f"models: {len(entries)} in the store ({pool.store.models_dir}); loaded on demand within "
+            f"{size(pool.budget)}, kept {args.keep_alive} after their last request; pulls {pulls}")
 
 
 # ---- for an app that embeds the server -----------------------------------------------------------

@@ -66,6 +66,20 @@ class ServedModel:
     parse_control_tokens: bool = False  # control tokens spelled in messages are parsed (--parse-control-tokens)
 
 
+def keep_alive(body: Any) -> Optional[float]:
+    """A request's `keep_alive` (every API's; Ollama's meaning): seconds, a Go duration ("5m"),
+    0 to unload after the request, negative (`math.inf`) to keep; None: the server's default."""
+    from ..engine.pool import keep_alive_seconds
+
+    value = body.get("keep_alive") if isinstance(body, dict) else None
+    if value is None:
+        return None
+    try:
+        return keep_alive_seconds(value)
+    except ValueError:
+        raise invalid("keep_alive", f'time: invalid duration "{value}"', code=None) from None
+
+
 def check_model(name: Any, model: ServedModel) -> None:
     if name is not None and name != model.id:
         raise APIError(404, f"the model `{name}` does not exist; this server serves `{model.id}`",

@@ -25,7 +25,8 @@ OPENAI_COMPLETION = frozenset({
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
     "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user"})
 # This server's, and vLLM's it takes (chat_template_kwargs on chat only).
-OPENAI_EXTENSIONS = frozenset({"draft_tokens", "mtp", "top_k", "min_p", "repetition_penalty", "structured_outputs"})
+OPENAI_EXTENSIONS = frozenset({"draft_tokens", "mtp", "top_k", "min_p", "repetition_penalty", "structured_outputs",
+                               "keep_alive"})
 HISTORY_EXTENSIONS = frozenset({"history", "keep_thinking"})  # chats' (README: "Histories as generated")
 # Per message role; `reasoning_content` / `reasoning` are the reasoning that llama.cpp's and vLLM's
 # clients send back, `name` on a tool result is what older clients send instead of an id.
@@ -55,7 +56,7 @@ ANTHROPIC_MESSAGES = frozenset(_ANTHROPIC_COMMON | {
     "container", "diagnostics", "inference_geo", "fallbacks", "fallback_credit_token", "thread"})
 # count_tokens takes what /v1/messages takes: the body about to be sent is counted as it is.
 ANTHROPIC_COUNT = ANTHROPIC_MESSAGES
-ANTHROPIC_EXTENSIONS = frozenset({"draft_tokens", "mtp", "min_p", "structured_outputs"}) | HISTORY_EXTENSIONS
+ANTHROPIC_EXTENSIONS = frozenset({"draft_tokens", "mtp", "min_p", "structured_outputs", "keep_alive"}) | HISTORY_EXTENSIONS
 ANTHROPIC_MESSAGE = {"role", "content"}
 ANTHROPIC_BLOCK = {
     "text": {"type", "text", "cache_control", "citations"},

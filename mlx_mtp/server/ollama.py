@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -35,6 +34,7 @@ from ..engine.requests import ContextLengthError, Request
 from ..decode.stats import Stats
 from .common import (KEEPALIVE, APIError, Job, Outcome, ServedModel, checked, draft_tokens, flag, history, integer,
                      invalid, json_grammar, mapping, number, sampling, strings, structured, unsupported)
+from .common import keep_alive as common_keep_alive
 from .fields import (OLLAMA_CALL, OLLAMA_CHAT, OLLAMA_EXTENSIONS, OLLAMA_FUNCTION, OLLAMA_GENERATE, OLLAMA_MESSAGE,
                      OLLAMA_OPTIONS, first_extra)
 
@@ -63,14 +63,34 @@ def same_model(name: Any, served: str) -> bool:
     return tagged(name) == tagged(served)
 
 
-def check_model(body: dict, model: ServedModel) -> str:
-    """The model the request names (`model`, or Continue's older `name`): the served one, else 404."""
-    name = body.get("model") or body.get("name")
+def named(body: Any) -> str:
+    """The model the request names (`model`, or Continue's older `name`)."""
+    name = body.get("model") or body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise invalid("model", "model is required")
+    return name
+
+
+def check_model(body: dict, model: ServedModel) -> str:
+    """The model the request names: the served one, else 404."""
+    name = named(body)
     if not same_model(name, model.id):
         raise not_found(name)
     return name
+
+
+def unloads(body: Any, generate: bool) -> bool:
+    """Whether the request only unloads its model: nothing to generate, and keep_alive 0."""
+    if not isinstance(body, dict) or common_keep_alive(body) != 0:
+        return False
+    return not (body.get("prompt") or body.get("images")) if generate else not body.get("messages")
+
+
+def num_ctx(body: Any) -> Optional[int]:
+    """The context the request asks for (`options.num_ctx`; the parser refuses one that is not an int)."""
+    options = body.get("options") if isinstance(body, dict) else None
+    n = options.get("num_ctx") if isinstance(options, dict) else None
+    return n if type(n) is int and n >= 1 else None
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -163,7 +183,7 @@ def _job(body: dict, name: str, model: ServedModel, prompt: Optional[dict], gene
     predict = integer(options, "num_predict", low=-2)  # -1: no limit, -2: fill the context
     limit = context or model.context
     max_tokens = min(predict, limit) if predict is not None and predict > 0 else limit
-    keep_alive = _keep_alive(body.get("keep_alive"))
+    keep_alive = common_keep_alive(body)
     stream = flag(body, "stream", True)  # Ollama streams unless told not to
     job = dict(stream=stream, model=name, id=f"ollama-{uuid.uuid4().hex[:24]}", generate=generate,
                keep_alive=keep_alive, num_ctx=context, started=time.perf_counter_ns())
@@ -225,28 +245,6 @@ def _think(body: dict, model: ServedModel) -> bool:
     if think in ("low", "medium", "high", "max"):
         return True
     raise invalid("think", 'think must be true, false, "low", "medium", "high" or "max"')
-
-
-GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def _keep_alive(value: Any) -> Optional[float]:
-    """`keep_alive` in seconds: a number of seconds, or a Go duration ("5m", "1h30m", "-1"); any
-    negative means forever, 0 to unload once the request is done."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return None if value is None else float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            return float(text)
-        except ValueError:
-            pass
-        sign = -1.0 if text.startswith("-") else 1.0
-        rest = text.lstrip("+-")
-        pieces = re.findall(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)", rest)
-        if rest and "".join(n + u for n, u in pieces) == rest:
-            return sign * sum(float(n) * GO_UNITS[u] for n, u in pieces)
-    raise invalid("keep_alive", f'time: invalid duration "{value}"', code=None)
 
 
 def _messages(raw: list) -> list:
@@ -386,6 +384,12 @@ def loaded(job: OllamaJob) -> dict:
     return {**_head(job), **_piece(job), "done": True, "done_reason": reason}
 
 
+def unloaded(name: str, generate: bool) -> dict:
+    """The answer to an unload (nothing to generate, keep_alive 0)."""
+    piece = {"response": ""} if generate else {"message": {"role": "assistant", "content": ""}}
+    return {"model": name, "created_at": _now(), **piece, "done": True, "done_reason": "unload"}
+
+
 def answer(job: OllamaJob, parts: list, outcome: Outcome) -> dict:
     reply = Reply()
     reply.add([part for part in parts if _shown(job, part)])
@@ -497,18 +501,24 @@ def tags(cards: list) -> dict:
     return {"models": [_entry(c) for c in cards]}
 
 
-def ps(cards: list) -> dict:
-    """GET /api/ps: the models loaded (weights in unified memory: all of it is the GPU's)."""
-    return {"models": [{**_entry(c), "expires_at": FOREVER, "size_vram": c.size, "context_length": c.context}
-                       for c in cards]}
+def ps(listed: list) -> dict:
+    """GET /api/ps: the models loaded (`models.Listed`): what each reserves (weights, KV and prompt
+    cache; in unified memory all of it is the GPU's), its context and when it unloads."""
+    return {"models": [{**_entry(item.card), "size": item.resident.bytes, "expires_at": _expires(item.resident),
+                        "size_vram": item.resident.bytes, "context_length": item.resident.context}
+                       for item in listed]}
 
 
-def show(body: Any, c: Card, model: ServedModel) -> dict:
+def _expires(resident) -> str:
+    if resident.expires_at is None:
+        return FOREVER
+    when = datetime.datetime.fromtimestamp(resident.expires_at, datetime.timezone.utc)
+    return when.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def show(c: Card) -> dict:
     """POST /api/show {"model"} (or Continue's {"name"}): Copilot Chat reads `model_info`'s
     context length and `capabilities`, Continue `parameters` and `template`."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    check_model(body, model)
     info = {"general.architecture": FAMILY, "general.basename": c.name, "general.parameter_count": c.parameters,
             f"{FAMILY}.context_length": c.context}
     return {"license": "", "modelfile": f"FROM {c.name}\n", "parameters": f"num_ctx {c.context}",
@@ -521,6 +531,6 @@ def version() -> dict:
 
 
 def no_store(what: str) -> APIError:
-    """/api/pull and /api/delete, until the model store serves them."""
-    return APIError(501, f"{what} is not available yet: this server serves the one model it was started with; "
-                         "pulls and deletes come with the model store", code="not_implemented")
+    """/api/pull and /api/delete where an app serves one Engine (`create_app(engine, ...)`), not a store."""
+    return APIError(501, f"{what} is not available: this app serves one model and has no model store "
+                         "(`mlx-mtp-server` has one)", code="not_implemented")

@@ -40,11 +40,16 @@ class KVShape:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "KVShape":
         cfg = model_module(config["model_type"]).Config.from_dict(config)
-        kept = range(cfg.first_shared_layer)
         dtype = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+        return cls.of(cfg, ITEMSIZE.get(dtype, 2))
+
+    @classmethod
+    def of(cls, cfg, itemsize: int) -> "KVShape":
+        """The shape of a model `Config` (a loaded target's `config`), its K/V `itemsize` bytes."""
+        kept = range(cfg.first_shared_layer)
         return cls(tuple(cfg.layer_types[i] for i in kept), tuple(cfg.layer_kv_heads(i) for i in kept),
                    tuple(cfg.layer_head_dim(i) for i in kept), cfg.sliding_window,
-                   cfg.max_position_embeddings, ITEMSIZE.get(dtype, 2))
+                   cfg.max_position_embeddings, itemsize)
 
     def token_bytes(self) -> dict[str, int]:
         """K and V bytes of one position, summed over the layers of each kind (FULL, SLIDING)."""

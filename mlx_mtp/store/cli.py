@@ -1,13 +1,17 @@
-"""`mlx-mtp`: the model store from a terminal. `models` lists what can be served, `pull NAME`
-fetches a model with its drafter, `rm NAME` deletes one; `ps` (what a running server holds) is
-the server's to answer."""
+"""`mlx-mtp`: the model store from a terminal. `models` lists what can be served (and, where a
+server runs, which are loaded), `pull NAME` fetches a model with its drafter, `rm NAME` deletes
+one, `ps` asks a running server what it holds (its `/api/ps`)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import Optional, TextIO
 
 from ..cli import error_line, prog_name
@@ -17,6 +21,9 @@ from .pull import QUANTIZE, PullEvent
 from .store import ENV, Store, default_hf_cache, default_models_dir
 
 COLUMNS = ("NAME", "ALIASES", "SIZE", "QUANTIZATION", "DRAFTER", "LOADED")
+PS_COLUMNS = ("NAME", "SIZE", "CONTEXT", "UNTIL")
+HOST_ENV, KEY_ENV = "MLX_MTP_HOST", "MLX_MTP_API_KEY"
+DEFAULT_HOST = "http://127.0.0.1:8000"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--no-hf-cache", action="store_true",
                        help=f"leave out the Hugging Face cache (default: list it too; here "
                             f"{default_hf_cache()})")
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument("--host", default=os.environ.get(HOST_ENV) or DEFAULT_HOST,
+                        help=f"the running server to ask (default: ${HOST_ENV}, else {DEFAULT_HOST})")
+    server.add_argument("--api-key", default=os.environ.get(KEY_ENV),
+                        help=f"the server's --api-key (default: ${KEY_ENV}, else none)")
     sub = p.add_subparsers(dest="command", required=True, metavar="{models,pull,rm,ps}")
-    sub.add_parser("models", parents=[where], help="list the models, their sizes and drafters")
+    sub.add_parser("models", parents=[where, server], help="list the models, their sizes and drafters, and which "
+                   "a running server has loaded")
     pull = sub.add_parser("pull", parents=[where], help="fetch a model and its drafter from the Hub")
     pull.add_argument("name", help="gemma4:<tag> (e2b, e4b, 12b, 26b, 31b, latest; -4bit etc. converts) "
                                    "or a Hub repo, org/name")
@@ -40,34 +53,78 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--quiet", action="store_true", help="no progress (default: a progress bar on stderr)")
     rm = sub.add_parser("rm", parents=[where], help="delete models (a drafter goes with its last model)")
     rm.add_argument("names", nargs="+", metavar="NAME", help="a model's name or alias")
-    sub.add_parser("ps", parents=[where], help="the models a running server holds (the server's to answer)")
+    sub.add_parser("ps", parents=[server], help="the models a running server has loaded, what each reserves and "
+                   "until when")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    store = Store(args.models_dir, hf_cache=None if args.no_hf_cache else default_hf_cache())
     try:
+        if args.command == "ps":
+            return ps(running(args.host, args.api_key, timeout=10))
+        store = Store(args.models_dir, hf_cache=None if args.no_hf_cache else default_hf_cache())
         if args.command == "models":
-            return list_models(store)
+            return list_models(store, args.host, args.api_key)
         if args.command == "pull":
             return pull(store, args.name, args.quantize, None if args.quiet else Bar())
-        if args.command == "rm":
-            return remove(store, args.names)
-        print(f"{prog_name('mlx_mtp.store')}: error: ps lists what a running server holds; ask the server",
-              file=sys.stderr)
-        return 2
-    except StoreError as e:
+        return remove(store, args.names)
+    except (StoreError, ServerError) as e:
         print(f"{prog_name('mlx_mtp.store')}: {error_line(e)}", file=sys.stderr)
         return 1
 
 
-def list_models(store: Store) -> int:
-    entries = store.entries()
-    rows = [COLUMNS] + [row(e) for e in entries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    for r in rows if entries else ():
+class ServerError(Exception):
+    """No server answers at the host, or it answered an error."""
+
+
+def running(host: str, key: Optional[str], timeout: float) -> list:
+    """The server's `/api/ps` models. Raises ServerError."""
+    url = host.rstrip("/") + "/api/ps"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.load(answer)["models"]
+    except urllib.error.HTTPError as e:
+        raise ServerError(f"{url}: HTTP {e.code}" + (" (pass --api-key)" if e.code == 401 else "")) from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        reason = getattr(e, "reason", e)
+        raise ServerError(f"no mlx_mtp server answers at {host} ({reason}); start one (mlx-mtp-server) or "
+                          f"pass --host") from None
+
+
+def ps(models: list) -> int:
+    rows = [PS_COLUMNS] + [(m["name"], size(m["size"]), str(m.get("context_length", "-")), until(m["expires_at"]))
+                           for m in models]
+    table(rows)
+    if not models:
+        print("no model is loaded")
+    return 0
+
+
+def until(expires_at: str) -> str:
+    """Ollama's `expires_at` as `ollama ps` says it: "Forever", or how long from now."""
+    if expires_at.startswith("9999"):
+        return "Forever"
+    when = datetime.datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    left = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    return "Stopping..." if left <= 0 else f"{int(left // 60)} minutes from now" if left >= 120 else \
+        f"{int(left)} seconds from now"
+
+
+def table(rows: list) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows if len(rows) > 1 else ():
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def list_models(store: Store, host: str, key: Optional[str]) -> int:
+    entries = store.entries()
+    try:  # where a server runs, which of them it has loaded
+        loaded = {m["name"] for m in running(host, key, timeout=0.5)}
+    except ServerError:
+        loaded = None
+    table([COLUMNS] + [row(e, loaded) for e in entries])
     if not entries:
         print(f"no models in {store.models_dir}; pull one: {prog_name('mlx_mtp.store')} pull gemma4:e2b")
     for problem in store.problems():
@@ -75,9 +132,11 @@ def list_models(store: Store) -> int:
     return 0
 
 
-def row(entry: Entry) -> tuple[str, ...]:
+def row(entry: Entry, loaded: Optional[set]) -> tuple[str, ...]:
+    """A model's line; LOADED is "-" where no server answers."""
+    up = "-" if loaded is None else "yes" if {entry.name, *entry.aliases} & loaded else "no"
     return (entry.name, ",".join(entry.aliases) or "-", size(entry.bytes), entry.target.quantization,
-            entry.drafter.name if entry.drafter else "-", "-")  # loaded or not: the server's column
+            entry.drafter.name if entry.drafter else "-", up)
 
 
 def size(n: float) -> str:

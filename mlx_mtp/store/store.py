@@ -10,7 +10,7 @@ from typing import Callable, Optional, Union
 
 from .catalog import Catalog, Entry
 from .checkpoint import Checkpoint, Inspector
-from .errors import Refused, StoreError
+from .errors import NotFound, Refused, StoreError
 from .places import discard, hf_cache, models_dir
 from .pull import Puller, PullEvent
 from .settings import Settings
@@ -81,9 +81,14 @@ class Store:
         return self.catalog().problems
 
     def resolve(self, name: str) -> Entry:
-        """The entry `name` names: its store name or an alias, in Ollama's `name:tag` form. Raises
+        """The entry `name` names: its store name or an alias, in Ollama's `name:tag` form. A name the
+        last look lacks gets a fresh look (another process may have just pulled it). Raises
         NotFound (a LookupError), whose one line gives the reason or the names near it."""
-        return self.catalog().resolve(name)
+        try:
+            return self.catalog().resolve(name)
+        except NotFound:
+            self.refresh()
+            return self.catalog().resolve(name)
 
     def pull(self, name: str, progress: Optional[Callable[[PullEvent], None]] = None,
              quantize: Optional[str] = None) -> Entry:
