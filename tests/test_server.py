@@ -368,6 +368,10 @@ def test_metrics_count_each_request(client, url):
     assert 0 < drafts <= t["draft_n"] <= 3 * drafts  # 1 to K = 3 drafts per verify forward
     per_pos = sum(after[k] - before.get(k, 0) for k in after if "per_pos" in k)
     assert per_pos == t["draft_n_accepted"]
+    # the pool's gauges: the one model the server started with, within the budget
+    ps = httpx.get(url + "/api/ps").json()["models"]
+    assert after["mlx_mtp:models_loaded"] == len(ps) == 1
+    assert after["mlx_mtp:pool_reserved_bytes"] == ps[0]["size"] <= after["mlx_mtp:pool_budget_bytes"]
 
 
 def test_a_growing_conversation_prefills_only_what_is_new(client, url):

@@ -190,9 +190,10 @@ async def health(request: HTTPRequest) -> Response:
 
 
 async def metrics(request: HTTPRequest) -> Response:
-    """The start model's engine's metrics (none while it is not loaded)."""
-    engines = request.app.state.models.engines()
-    text = render_metrics(engines[0].metrics()) if engines else ""
+    """The start model's engine's counters (zero while it is not loaded), and the pool's gauges."""
+    models = request.app.state.models
+    engines = models.engines()
+    text = render_metrics(engines[0].metrics() if engines else {}, models.gauges())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -6,6 +6,8 @@ prefix, so a vLLM dashboard needs only the prefix changed.
 
 from __future__ import annotations
 
+from typing import Optional
+
 PREFIX = "mlx_mtp:"
 # (engine key, metric name, type, help)
 METRICS = [
@@ -40,9 +42,19 @@ METRICS = [
 PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def render(values: dict) -> str:
-    """Prometheus exposition text (format 0.0.4) for `Engine.metrics()`."""
+POOL = [
+    ("models_loaded", "gauge", "Models loaded (each a target with its drafter)."),
+    ("pool_reserved_bytes", "gauge", "Bytes the loaded models reserve: weights, KV cache and prefix cache."),
+    ("pool_budget_bytes", "gauge", "Bytes all loaded models may reserve together (--memory-gb)."),
+]
+
+
+def render(values: dict, pool: Optional[dict] = None) -> str:
+    """Prometheus exposition text (format 0.0.4) for `Engine.metrics()` (the start model's), and the
+    pool's gauges where the server has a pool."""
     lines = []
+    for name, kind, help_text in POOL if pool is not None else ():
+        lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {pool[name]}"]
     for key, name, kind, help_text in METRICS:
         if key.startswith("prefix_cache_disk_") and key not in values:  # no disk tier
             continue

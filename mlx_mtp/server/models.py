@@ -23,6 +23,7 @@ import datetime
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -97,6 +98,9 @@ class One:
     def engines(self) -> list:
         return [self.engine]
 
+    def gauges(self) -> None:
+        return None  # no pool
+
 
 class Pooled:
     """The pool's pairs by name: the start model under its served name (and the store's, where it came
@@ -116,7 +120,7 @@ class Pooled:
         self.pool, self.defaults, self.start_card, self.allow_pull = pool, defaults, start_card, allow_pull
         self.store = pool.store
         self.has_default = start_card is not None
-        self._served: dict[tuple, ServedModel] = {}
+        self._served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Engine -> {(name, context): model}
         self._pulls = threading.Lock()
 
     def resolve(self, name: Optional[str]) -> Entry:
@@ -168,13 +172,13 @@ class Pooled:
         """The ServedModel of a leased pair as `name` names it: its context is the one the pool
         reserved its KV for (each reply's longest, by default)."""
         context = self.pool.context_of(engine) or entry.kv.context
-        cached = (name, id(engine), context)
-        if cached not in self._served:
+        served = self._served.setdefault(engine, {})  # an engine's entries go with it
+        if (name, context) not in served:
             d = self.defaults
             model = served_model(engine.loaded, name, d.draft_tokens, d.thinking, d.history, d.keep_thinking,
                                  d.parse_control_tokens)
-            self._served[cached] = dataclasses.replace(model, context=min(context, model.context))
-        return self._served[cached]
+            served[name, context] = dataclasses.replace(model, context=min(context, model.context))
+        return served[name, context]
 
     def _start(self) -> Optional[Entry]:
         return None if self.start_card is None else self.resolve(None)
@@ -209,6 +213,12 @@ class Pooled:
         self.store.delete(name)
         self.pool.unload(entry.name)
         return entry
+
+    def gauges(self) -> dict:
+        """The pool's, for /metrics."""
+        loaded = self.pool.loaded()
+        return {"models_loaded": len(loaded), "pool_reserved_bytes": sum(r.bytes for r in loaded),
+                "pool_budget_bytes": self.pool.budget}
 
     def engines(self) -> list:
         """The start model's Engine while it is loaded (health, metrics and drafter swaps are its)."""
