@@ -175,11 +175,13 @@ class Pool:
             `prompt_cache_bytes`, ...); `memory_limit` is the pool's to set.
         loader: `loader(entry)` loads a pair for its Engine (default: `load(target, drafter=...)`);
             a server's applies its dtype and media settings.
+        default_context: a load's context when its lease names none (`--num-ctx`).
     """
 
     def __init__(self, store: Store, budget_bytes: Optional[int] = None,
                  default_keep_alive: KeepAlive = 300.0, pins: Sequence[str] = (), prompt_cache_dir=None,
-                 engine_options: Mapping = {}, loader: Optional[Callable[[Entry], object]] = None):
+                 engine_options: Mapping = {}, loader: Optional[Callable[[Entry], object]] = None,
+                 default_context: int = DEFAULT_CONTEXT):
         if "memory_limit" in engine_options or "prompt_cache_dir" in engine_options:
             raise ValueError("engine_options may not set memory_limit or prompt_cache_dir: the pool does")
         self.store = store
@@ -194,6 +196,7 @@ class Pool:
         self.prompt_cache_bytes = self.engine_options.pop("prompt_cache_bytes", None)
         self.rows = self.engine_options.get("max_batch", ROWS)
         self.loader = loader or _load
+        self.default_context = default_context
         self._adopted: dict[str, Entry] = {}  # name key -> an adopted pair's entry (not the store's to resolve)
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Condition()
@@ -211,7 +214,7 @@ class Pool:
         Args:
             name: a store name or alias.
             context: tokens per row to budget the KV cache for (clamped to the model's trained
-                context); None: the loaded context, or `DEFAULT_CONTEXT` for a load.
+                context); None: the loaded context, or `default_context` for a load.
             keep_alive: how long the pair stays loaded after its last lease (see the module).
 
         Raises:
@@ -264,7 +267,7 @@ class Pool:
             return pair
 
     def _admit(self, entry: Entry, context: Optional[int], ttl: float, victims: list) -> _Pair:
-        ctx = self._context(entry, DEFAULT_CONTEXT if context is None else context)
+        ctx = self._context(entry, self.default_context if context is None else context)
         kv = self.kv_bytes(entry, ctx)
         prompt = self.prompt_cache_bytes if self.prompt_cache_bytes is not None else kv // 2
         pair = _Pair(entry, ctx, kv, prompt, ttl)

@@ -38,7 +38,7 @@ from starlette.routing import Route
 from ..formats.chat import Delta
 from ..engine.pool import PoolFull
 from ..engine.requests import ContextLengthError, QueueFull, RequestHandle
-from ..store import NotFound, PullError, StoreError
+from ..store import NotFound, NotOnHub, PullError, StoreError
 from . import anthropic, ollama, protocol
 from .common import KEEPALIVE, APIError, Outcome, ServedModel, flag, invalid, keep_alive
 from .metrics import render as render_metrics
@@ -406,11 +406,14 @@ def model_error(request: HTTPRequest, name, error: Exception) -> APIError:
     """A model that is not there, does not fit, or could not be pulled or deleted, in the called API's
     words."""
     on_ollama = request.url.path.startswith("/api/")
+    if isinstance(error, NotOnHub) and "/api/pull" not in request.url.path:  # --allow-pull: neither here nor there
+        error = NotFound(name, why=str(error))
     if isinstance(error, NotFound):
         if on_ollama:
             return ollama.not_found(name)
+        why = f" ({error.why})" if error.why else ""
         near = f"; near: {', '.join(error.near)}" if error.near else "; GET /v1/models lists them"
-        return APIError(404, f"the model `{name}` does not exist on this server{near}", param="model",
+        return APIError(404, f"the model `{name}` does not exist on this server{why}{near}", param="model",
                         code="model_not_found")
     if isinstance(error, PoolFull):  # Ollama answers 500 for a model that needs more memory than is free
         return APIError(500 if on_ollama else 507, f"model '{name}' does not fit in memory: {error}",

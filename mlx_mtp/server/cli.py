@@ -327,7 +327,7 @@ def start_pool(loaded, model, args):
                             else {})}
     if loaded is None:  # --store-only
         pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
-                    loader=lambda e: load_entry(e, args))
+                    loader=lambda e: load_entry(e, args), default_context=args.num_ctx)
         return None, pool
     plan = memory.plan(loaded.target, loaded.drafter)
     limit = None if budget is None else min(plan.kv_limit, max((budget - plan.model_bytes) // 2, 1))
@@ -339,7 +339,8 @@ def start_pool(loaded, model, args):
     if budget is None:  # the start model is held as the server always held it, whatever the default budget
         budget = max(default_budget(), entry.bytes + engine.memory_limit)
     pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
-                loader=lambda e: load_model(args)[0] if e is entry else load_entry(e, args))
+                loader=lambda e: load_model(args)[0] if e is entry else load_entry(e, args),
+                default_context=args.num_ctx)
     try:
         pool.adopt(entry, engine, names=[model.id])
     except BaseException:

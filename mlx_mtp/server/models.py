@@ -184,7 +184,8 @@ class Pooled:
         return None if self.start_card is None else self.resolve(None)
 
     def listing(self, loaded_only: bool = False) -> list[Listed]:
-        """Every model: the start model first, then the store's by name; with whether each is loaded."""
+        """Every model: the start model first, then the store's by name; with whether each is loaded.
+        `loaded_only`: the loaded ones, those deleted from the store while serving included."""
         residents = {r.name: r for r in self.pool.loaded()}
         start, out = self._start(), []
         if start is not None:
@@ -192,7 +193,11 @@ class Pooled:
             out.append(Listed(self.start_card, residents.get(start.name), aliases))
         for entry in self.store.entries():
             if start is None or entry.name != start.name:
-                out.append(Listed(entry_card(entry), residents.get(entry.name), entry.aliases))
+                out.append(Listed(entry_card(entry), residents.pop(entry.name, None), entry.aliases))
+        if start is not None:
+            residents.pop(start.name, None)
+        if loaded_only:  # deleted from the store while serving: loaded (and holding memory) until its requests end
+            out += [Listed(entry_card(r.entry), r, r.entry.aliases) for r in residents.values()]
         return [item for item in out if item.loaded or not loaded_only]
 
     def show(self, name: str) -> "ollama.Card":

@@ -38,10 +38,10 @@ Names (names.py): Ollama's `name:tag` rules; Gemma 4 repos also answer to Ollama
 
 from .catalog import Catalog, Entry
 from .checkpoint import Checkpoint, KVShape
-from .errors import NotFound, PullError, Refused, StoreError
+from .errors import NotFound, NotOnHub, PullError, Refused, StoreError
 from .names import Name
 from .pull import QUANTIZE, PullEvent
 from .store import ENV, Store, default_hf_cache, default_models_dir, named
 
 __all__ = ["Store", "Entry", "Catalog", "Checkpoint", "KVShape", "Name", "PullEvent", "QUANTIZE",
-           "StoreError", "NotFound", "Refused", "PullError", "ENV", "default_models_dir", "default_hf_cache", "named"]
+           "StoreError", "NotFound", "Refused", "PullError", "NotOnHub", "ENV", "default_models_dir", "default_hf_cache", "named"]

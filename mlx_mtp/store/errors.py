@@ -14,7 +14,7 @@ class NotFound(StoreError, LookupError):
     """No stored model answers to `name` (`near`: names that look like it)."""
 
     def __init__(self, name: str, near: Sequence[str] = (), why: Optional[str] = None):
-        self.name, self.near = name, tuple(near)
+        self.name, self.near, self.why = name, tuple(near), why
         hint = f"; near: {', '.join(self.near)}" if self.near else ""
         super().__init__(f"model '{name}' not found{' (' + why + ')' if why else ''}{hint}")
 
@@ -30,3 +30,7 @@ class Refused(StoreError):
 
 class PullError(StoreError):
     """A pull that failed; what it had fetched stays in the models dir's `.partial/` for the next one."""
+
+
+class NotOnHub(PullError):
+    """A pull of a repo the Hub does not have."""

@@ -31,7 +31,7 @@ from ..loading import check_quantization
 from ..models import DRAFTER_TYPES, model_module
 from ..models.base import ConfigError
 from .checkpoint import inspect
-from .errors import PullError, Refused
+from .errors import NotOnHub, PullError, Refused
 from .names import CATALOG, DEFAULT_TAG, FAMILY, LATEST, Name
 from .pairing import mismatch
 from .places import discard
@@ -270,7 +270,7 @@ class Puller:
         except RepositoryNotFoundError as e:
             if not required:
                 return None
-            raise PullError(f"{repo} not found on the Hub") from e
+            raise NotOnHub(f"{repo} not found on the Hub") from e
         except Exception as e:  # offline, refused, a bad answer: one line
             raise PullError(f"cannot read {repo} from the Hub: {_line(e)}") from e
         files = tuple(RemoteFile(s.rfilename, s.size or 0, s.lfs.sha256 if s.lfs else None, s.blob_id or "")
