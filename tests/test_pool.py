@@ -155,7 +155,7 @@ def test_concurrent_leases_of_a_loading_pair_share_one_load_while_others_serve(s
 
 
 def test_a_pair_in_flight_is_never_evicted_and_what_cannot_fit_evicts_nothing(store, loads):
-    with Pool(store, budget_bytes=2 * need(store), engine_options=OPTIONS) as pool:
+    with Pool(store, budget_bytes=2 * need(store), engine_options=OPTIONS, wait_s=0) as pool:
         use(pool, NAMES[1])
         with pool.lease(NAMES[0], context=CONTEXT) as engine:
             big = need(store, context=512)  # more than the idle pair would free
@@ -170,6 +170,27 @@ def test_a_pair_in_flight_is_never_evicted_and_what_cannot_fit_evicts_nothing(st
             assert names(pool) == [NAMES[2], NAMES[0]]
             generate(engine)
         assert loads == [NAMES[1], NAMES[0], NAMES[2]]
+
+
+def test_a_lease_waits_for_a_pair_in_use_to_go_idle_then_evicts_it(store, loads):
+    """Where only a pair in use stands in the way, a lease waits for its lease to end (Ollama's
+    scheduler waits for a runner), up to `wait_s`; with none, PoolFull at once."""
+    with Pool(store, budget_bytes=need(store) * 3 // 2, engine_options=OPTIONS) as pool:
+        done, got = threading.Event(), []
+        with pool.lease(NAMES[0], context=CONTEXT) as engine:
+            waiter = threading.Thread(target=lambda: (got.append(use(pool, NAMES[1])), done.set()))
+            waiter.start()
+            assert not done.wait(0.5) and names(pool) == [NAMES[0]]  # waiting, nothing evicted in use
+            generate(engine)
+        assert done.wait(WAIT) and got and names(pool) == [NAMES[1]]
+        waiter.join()
+    with Pool(store, budget_bytes=need(store) * 3 // 2, engine_options=OPTIONS, wait_s=0.3) as pool:
+        with pool.lease(NAMES[0], context=CONTEXT):
+            started = time.monotonic()
+            with pytest.raises(PoolFull, match="none is idle"):
+                use(pool, NAMES[1])
+            assert 0.3 <= time.monotonic() - started < 5
+        assert names(pool) == [NAMES[0]] and loads[-1] == NAMES[0]
 
 
 def test_a_pinned_pair_is_never_evicted_nor_expired(store, loads):

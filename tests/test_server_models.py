@@ -140,11 +140,12 @@ def store_server(tmp_path_factory, pair_files, hub):
 
 @pytest.fixture(scope="module")
 def one_pair_server(tmp_path_factory, pair_files, hub):
-    """(url, one pair's reservation): a budget for one pair and a half, so never two."""
+    """(url, one pair's reservation): a budget for one pair and a half, so never two; --load-wait 0, so
+    that a model the busy one stands in the way of is refused at once."""
     tmp = tmp_path_factory.mktemp("one-pair")
     root = base_store(tmp / "models", pair_files)
     pair = need(Store(root, hf_cache=None), CONTEXT)
-    with serving(tmp, root, hub, "--memory-gb", budget_gb(pair * 3 // 2)) as url:
+    with serving(tmp, root, hub, "--memory-gb", budget_gb(pair * 3 // 2), "--load-wait", "0") as url:
         yield url, pair
 
 
@@ -453,7 +454,8 @@ def test_keep_alive_and_pin_flags_set_when_a_store_model_unloads(all_pairs_serve
 
 
 def test_a_model_that_cannot_fit_is_refused_in_each_apis_shape_and_evicts_nothing_in_use(one_pair_server):
-    """While one pair streams (the whole budget in use), a request for another pair is refused at once:
+    """While one pair streams (the whole budget in use), a request for another pair is refused at once
+    (--load-wait 0; test_a_request_waits_... shows the default):
     Ollama's 500 `{"error"}`, OpenAI's 507 insufficient_memory, Anthropic's 507 api_error, each naming
     the bytes needed and free. The stream goes on to its end, the streaming pair stays loaded, nothing
     else is; once it is idle, the other pair loads in its place."""
@@ -488,6 +490,25 @@ def test_a_model_that_cannot_fit_is_refused_in_each_apis_shape_and_evicts_nothin
     assert list(running(url)) == [TINY_NAME]
     assert httpx.get(url + "/health", timeout=WAIT).json() == {"status": "ok"}
     assert chat(client, OTHER).done and list(running(url)) == [OTHER]
+
+
+def test_a_request_waits_for_the_model_in_use_to_finish_then_takes_its_place(tmp_path, pair_files, hub):
+    """By default (--load-wait 300), a request for a model that only a busy one stands in the way of waits
+    for it to finish, as Ollama's scheduler waits, and is answered once the busy one is evicted."""
+    root = base_store(tmp_path / "models", pair_files)
+    pair = need(Store(root, hf_cache=None), CONTEXT)
+    with serving(tmp_path, root, hub, "--memory-gb", budget_gb(pair * 3 // 2)) as url:
+        chunks = iter(long_stream(url, TINY_NAME))
+        assert next(chunks).choices[0].text == LETTER
+        answered = []
+        waiter = threading.Thread(target=lambda: answered.append((chat(client_of(url), OTHER), time.monotonic())))
+        waiter.start()
+        text, reason, ended = finish(chunks)
+        waiter.join(WAIT)
+        (reply, when), = answered
+        assert text == LETTER * (LONG - 1) and reply.done and when > ended  # answered after the stream ended
+        assert reply.load_duration > 0.1e9  # its wait is its load_duration, as Ollama counts it
+        assert list(running(url)) == [OTHER]
 
 
 def test_a_model_deleted_while_it_streams_finishes_the_stream_then_is_404(store_server):

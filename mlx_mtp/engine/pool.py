@@ -23,8 +23,10 @@ and the frees after an eviction). A pair reserves:
 When the budget is short, idle pairs are evicted first (`Pool.eviction_order`): the most idle per second
 of reload goes first, `idle seconds / (1 + bytes / RELOAD_BYTES_PER_S)`, so that of two pairs idle
 as long the cheaper one to bring back goes. A pair with leases in flight, one that is loading, or a
-pinned one is never evicted. Pairs are evicted only if evicting them makes the new one fit; else
-`PoolFull` says what is needed and what is free, and nothing is evicted.
+pinned one is never evicted. Pairs are evicted only if evicting them makes the new one fit. Where
+pairs in use stand in the way, the lease waits (`wait_s`) for them to go idle, as Ollama's
+scheduler does; what would not fit even then, or still does not after the wait, gets `PoolFull`,
+which says what is needed and what is free, and nothing is evicted for it.
 
 A smaller context than the one loaded is served as it is; a larger one grows the KV reservation
 (admitted like a load, evicting others if need be) and raises the Engine's `memory_limit` in place.
@@ -77,6 +79,7 @@ from .engine import Engine
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 4096  # a first load's context when a lease names none (Ollama's num_ctx default)
+WAIT_S = 300.0  # how long a lease waits for busy pairs to make room (Ollama's load timeout)
 RELOAD_BYTES_PER_S = 2 * 2**30  # about what a Mac's SSD reads: the cost of bringing a pair back
 MARGIN = 1 / 8  # of the device's budget, never admitted: activations and MLX's buffer cache
 MIN_MARGIN = 2**30
@@ -176,12 +179,14 @@ class Pool:
         loader: `loader(entry)` loads a pair for its Engine (default: `load(target, drafter=...)`);
             a server's applies its dtype and media settings.
         default_context: a load's context when its lease names none (`--num-ctx`).
+        wait_s: how long a lease waits for pairs in use to go idle where only they stand in the
+            way of its pair (0: PoolFull at once).
     """
 
     def __init__(self, store: Store, budget_bytes: Optional[int] = None,
                  default_keep_alive: KeepAlive = 300.0, pins: Sequence[str] = (), prompt_cache_dir=None,
                  engine_options: Mapping = {}, loader: Optional[Callable[[Entry], object]] = None,
-                 default_context: int = DEFAULT_CONTEXT):
+                 default_context: int = DEFAULT_CONTEXT, wait_s: float = WAIT_S):
         if "memory_limit" in engine_options or "prompt_cache_dir" in engine_options:
             raise ValueError("engine_options may not set memory_limit or prompt_cache_dir: the pool does")
         self.store = store
@@ -197,6 +202,7 @@ class Pool:
         self.rows = self.engine_options.get("max_batch", ROWS)
         self.loader = loader or _load
         self.default_context = default_context
+        self.wait_s = wait_s
         self._adopted: dict[str, Entry] = {}  # name key -> an adopted pair's entry (not the store's to resolve)
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Condition()
@@ -244,7 +250,10 @@ class Pool:
 
     def _settle(self, entry: Entry, context: Optional[int], ttl: float, victims: list) -> _Pair:
         """Under the lock: the pair leased (its lease counted), with room made for it. A new pair
-        is returned without an engine, for the caller to load outside the lock."""
+        is returned without an engine, for the caller to load outside the lock. Where only pairs in
+        use stand in the way, it waits (up to `wait_s`) for them to go idle, as Ollama's scheduler
+        waits for a runner."""
+        deadline = time.monotonic() + self.wait_s
         while True:
             if self._closed:
                 raise RuntimeError("the pool is closed")
@@ -252,15 +261,22 @@ class Pool:
             if pair is not None and pair.idle and _digest(pair.entry) != _digest(entry):
                 victims.append(self._drop(pair))  # pulled again: its files changed
                 pair = None
-            if pair is None:
-                return self._admit(entry, context, ttl, victims)
-            if pair.engine is None:  # another lease is loading it: wait for that load
+            if pair is not None and pair.engine is None:  # another lease is loading it: wait for that load
                 self._lock.wait()
                 if pair.error is not None:
                     raise pair.error
                 continue
-            if context is not None and self._context(entry, context) > pair.context:
-                self._grow(pair, self._context(entry, context), victims)
+            try:
+                if pair is None:
+                    return self._admit(entry, context, ttl, victims)
+                if context is not None and self._context(entry, context) > pair.context:
+                    self._grow(pair, self._context(entry, context), victims)
+            except PoolFull as full:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._fits_once_idle(full.needed, pair):
+                    raise
+                self._lock.wait(left)  # a lease that ends, a load that fails, an expiry: look again
+                continue
             pair.leases += 1
             pair.keep_alive, pair.expires = ttl, math.inf
             pair.unload_when_idle = False  # the latest lease's keep_alive wins, as Ollama's does
@@ -312,12 +328,12 @@ class Pool:
             pair.last_used = time.monotonic()
             if pair.leases:
                 return
+            self._lock.notify_all()  # leases waiting for room, and the expiry thread's next deadline
             gone = pair.unload_when_idle or (pair.keep_alive == 0 and not self._pinned(pair))
             if gone and self._pairs.get(pair.entry.name) is pair:
                 self._drop(pair)
             else:
                 pair.expires = math.inf if self._pinned(pair) else pair.last_used + pair.keep_alive
-                self._lock.notify_all()  # the expiry thread's next deadline may be this one
                 return
         self._close([pair])
 
@@ -378,6 +394,11 @@ class Pool:
         now = time.monotonic()
         idle = [p for p in self._pairs.values() if p.idle and not self._pinned(p) and p is not keep]
         return sorted(idle, key=lambda p: -(now - p.last_used) / (1 + p.bytes / RELOAD_BYTES_PER_S))
+
+    def _fits_once_idle(self, needed: int, keep: Optional[_Pair]) -> bool:
+        """Whether `needed` bytes would fit with every unpinned pair but `keep` gone, busy ones too."""
+        free = self.budget - sum(p.bytes for p in self._pairs.values())
+        return free + sum(p.bytes for p in self._pairs.values() if not self._pinned(p) and p is not keep) >= needed
 
     def _make_room(self, what: str, needed: int, keep: Optional[_Pair] = None) -> list[_Pair]:
         """Evict what must go for `needed` more bytes to fit (never `keep`, the pair that grows),

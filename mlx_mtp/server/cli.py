@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument("--num-ctx", type=positive_int, default=4096, metavar="N",
                        help="tokens per row a store model's KV cache is reserved for when a request does not ask "
                             "(Ollama's `options.num_ctx`); also its replies' default longest (default: 4096)")
+    store.add_argument("--load-wait", type=float, default=300.0, metavar="S",
+                       help="how long a request waits for models in use to finish when only they stand in the way "
+                            "of loading its model; then, or for a model that would never fit, a clear error "
+                            "(default: 300; 0: the error at once)")
     store.add_argument("--allow-pull", action="store_true",
                        help="pull a model the store lacks from the Hub when a request names it (default: off: "
                             "404, pull with /api/pull or mlx-mtp pull)")
@@ -151,6 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.store_only and (args.model or args.drafter or args.served_model_name or args.learn_dir):
         ap.error("--store-only serves the store's models: it takes no --model, --drafter, --served-model-name "
                  "or --learn-dir")
+    if args.load_wait < 0:
+        ap.error("--load-wait must be >= 0")
     if args.memory_gb is not None and not args.memory_gb > 0:
         ap.error("--memory-gb must be > 0")
     from ..engine.pool import keep_alive_seconds
@@ -327,7 +333,7 @@ def start_pool(loaded, model, args):
                             else {})}
     if loaded is None:  # --store-only
         pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
-                    loader=lambda e: load_entry(e, args), default_context=args.num_ctx)
+                    loader=lambda e: load_entry(e, args), default_context=args.num_ctx, wait_s=args.load_wait)
         return None, pool
     plan = memory.plan(loaded.target, loaded.drafter)
     limit = None if budget is None else min(plan.kv_limit, max((budget - plan.model_bytes) // 2, 1))
@@ -340,7 +346,7 @@ def start_pool(loaded, model, args):
         budget = max(default_budget(), entry.bytes + engine.memory_limit)
     pool = Pool(Store(args.models_dir), budget, args.keep_alive, args.pin, args.prompt_cache_dir, options,
                 loader=lambda e: load_model(args)[0] if e is entry else load_entry(e, args),
-                default_context=args.num_ctx)
+                default_context=args.num_ctx, wait_s=args.load_wait)
     try:
         pool.adopt(entry, engine, names=[model.id])
     except BaseException:
