@@ -75,3 +75,16 @@ def _isolated_stores() -> None:
 
 
 _isolated_stores()
+
+
+# The files that take longest, collected first. With `--dist loadfile` a file is one unit of work, handed
+# to the workers in collection order, so a long file collected last runs alone at the end of the run.
+SLOW_FIRST = ("test_learn.py", "test_bench_gpu.py", "test_pipeline.py", "test_speculative_sampling.py",
+              "test_kernels_emulated.py", "test_server_agent.py", "test_server_models.py", "test_selftest.py",
+              "test_quantized_demo.py", "test_video_requests.py", "test_server_prefill.py", "test_request_matrix.py",
+              "test_kernels_fused.py", "test_train_drafter.py", "test_chat_cli.py", "test_server.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order

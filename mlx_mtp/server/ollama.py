@@ -9,9 +9,9 @@ reply's grammar), `think`, and `options` (sampling, `num_predict`, `stop`, `seed
 `num_ctx`); and the reply back as NDJSON lines (`done: false` pieces, then a `done: true` line with
 `done_reason` and Ollama's durations in nanoseconds, plus MTP's counts) or one object.
 
-The model a request names and its `keep_alive` are carried on the job (`OllamaJob`) for whatever
-serves models by name; this module decides neither. A name the server does not serve gets Ollama's
-404 ("model \"x\" not found, try pulling it first"), `name` and `name:latest` being one model.
+Which model a request names, and what its `keep_alive` does, is the server's pool's to decide
+(`models.py`); this module says the answers: Ollama's 404 ("model \"x\" not found, try pulling it
+first"; `name` and `name:latest` are one model), the listings (`tags`, `ps`, `show`) and an unload.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class OllamaJob(Job):
     generate) and what the model's server and the answer need."""
 
     generate: bool = False  # /api/generate: the reply's text is `response`, not `message`
-    keep_alive: Optional[float] = None  # seconds (negative: forever, 0: unload after); None: the server's default
+    keep_alive: Optional[float] = None  # seconds (math.inf: forever, 0: unload after); None: the server's default
     num_ctx: Optional[int] = None  # the context the request asks for (at most the model's)
     started: int = 0  # time.perf_counter_ns() when it was parsed: `total_duration` counts from here
     load_ns: int = 0  # what loading the model took for this request (`load_duration`)
